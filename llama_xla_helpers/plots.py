@@ -1,0 +1,85 @@
+"""Every figure (and text table) the notebooks and benchmarks show.
+
+Each plot function returns a matplotlib Figure (a notebook displays it once) and, when the
+environment variable LLAMA_XLA_FIGURES names a folder (`make tour` sets it), saves it there
+as <name>.png.
+"""
+import os
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from .sharding import device_blocks
+
+
+def _finish(fig, name):
+    folder = os.environ.get("LLAMA_XLA_FIGURES")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        fig.savefig(os.path.join(folder, f"{name}.png"), dpi=110, bbox_inches="tight")
+    return fig
+
+
+def table(rows, columns=None):
+    """Format a list of dicts as a fixed-width text table."""
+    columns = columns or list(rows[0])
+    cells = [[str(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def plot_mesh(mesh, name="mesh"):
+    """A 1D or 2D mesh as a grid of device ids, axes labelled with the mesh axis names."""
+    grid = mesh.get_logical_mesh()
+    grid = grid.reshape(1, -1) if grid.ndim == 1 else grid.reshape(grid.shape[0], -1)
+    names = mesh.axis_names if len(mesh.axis_names) == 2 else ("", mesh.axis_names[0])
+    fig = Figure(figsize=(0.7 * grid.shape[1] + 1.5, 0.7 * grid.shape[0] + 1))
+    ax = fig.subplots()
+    ax.imshow(grid, cmap="tab20", vmin=0, vmax=19)
+    for (i, j), d in np.ndenumerate(grid):
+        ax.text(j, i, str(d), ha="center", va="center", fontsize=12)
+    ax.set_xticks([]), ax.set_yticks([])
+    ax.set_ylabel(f"{names[0]} ({grid.shape[0]})" if names[0] else "")
+    ax.set_xlabel(f"{names[1]} ({grid.shape[1]})")
+    ax.set_title(f"mesh {tuple(mesh.mesh_shape)}")
+    return _finish(fig, name)
+
+
+def plot_sharding(t, title="", name="sharding"):
+    """A 2D XLA tensor cut into the blocks its devices hold, each block labelled with its devices."""
+    rows, cols = t.shape
+    holders = {}
+    for device, (r, c) in device_blocks(t):
+        holders.setdefault((r.start, r.stop, c.start, c.stop), []).append(device)
+    fig = Figure(figsize=(4.5, 4.5 * rows / cols + 0.6))
+    ax = fig.subplots()
+    for k, ((r0, r1, c0, c1), devices) in enumerate(sorted(holders.items())):
+        ax.add_patch(Rectangle(
+            (c0, r0), c1 - c0, r1 - r0, facecolor=f"C{k % 10}", alpha=0.5, edgecolor="black"))
+        ax.text((c0 + c1) / 2, (r0 + r1) / 2, ",".join(map(str, sorted(devices))), ha="center", va="center")
+    ax.set_xlim(0, cols), ax.set_ylim(rows, 0)
+    ax.set_xlabel(f"dim 1 ({cols})"), ax.set_ylabel(f"dim 0 ({rows})")
+    ax.set_title(title or f"shape {tuple(t.shape)}: devices per block")
+    return _finish(fig, name)
+
+
+def plot_bars(groups, ylabel, title, name, log=False):
+    """Grouped bars: groups = {group label: {series label: value}}."""
+    series = list(dict.fromkeys(s for g in groups.values() for s in g))
+    fig = Figure(figsize=(1.2 * len(groups) * max(1, len(series) / 2) + 2, 3.5))
+    ax = fig.subplots()
+    width = 0.8 / len(series)
+    for k, s in enumerate(series):
+        xs = [i + k * width for i in range(len(groups))]
+        ax.bar(xs, [g.get(s, 0) for g in groups.values()], width, label=s)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))], list(groups))
+    ax.set_ylabel(ylabel), ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    return _finish(fig, name)

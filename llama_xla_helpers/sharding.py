@@ -1,0 +1,217 @@
+"""The partition-spec rules of the Llama 2 post (Tables 1 and 2), applied to the Hugging Face Llama.
+
+A partition spec has one entry per tensor dimension: a mesh axis name (split that dimension over
+the axis), a tuple of names (split over several axes), or None (replicate it).
+"""
+import math
+import re
+from functools import partial
+
+import torch
+import torch_xla
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.distributed.spmd as xs
+from torch_xla.distributed.spmd.xla_sharding import apply_xla_patch_to_nn_linear, wrap_as_sharded_tensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.llama.modeling_llama import repeat_kv
+
+# Table 1, keyed by the HF module that owns the weight. nn.Linear stores (out_features,
+# in_features), so the hidden_size dim of every weight goes on 'data' except q/k/v/o,
+# which do the opposite (Megatron-style rotation). Norm weights are replicated.
+PARAM_SPECS = {
+    "embed_tokens": ("model", "data"),  # (vocab_size, hidden_size)
+    "q_proj": ("data", "model"),        # (num_heads * head_dim, hidden_size)
+    "k_proj": ("data", "model"),        # (num_kv_heads * head_dim, hidden_size)
+    "v_proj": ("data", "model"),        # (num_kv_heads * head_dim, hidden_size)
+    "o_proj": ("model", "data"),        # (hidden_size, num_heads * head_dim)
+    "gate_proj": ("model", "data"),     # (intermediate_size, hidden_size)
+    "up_proj": ("model", "data"),       # (intermediate_size, hidden_size)
+    "down_proj": ("data", "model"),     # (hidden_size, intermediate_size)
+    "lm_head": ("model", "data"),       # (vocab_size, hidden_size)
+}
+
+# Table 2: batch on 'data', sequence replicated, last dim on 'model'. Keyed by the module
+# whose output is annotated ('attn_weights' is inside the attention function).
+ACTIVATION_SPECS = {
+    "embed_tokens": ("data", None, "model"),      # inputs_embeds (bsz, seqlen, hidden_size)
+    "q_proj": ("data", None, "model"),            # query_states (bsz, seqlen, num_heads * head_dim)
+    "k_proj": ("data", None, "model"),            # key_states (bsz, seqlen, num_kv_heads * head_dim)
+    "v_proj": ("data", None, "model"),            # value_states
+    "attn_weights": ("data", "model", None, None),  # (bsz, num_heads, seqlen, seqlen)
+    "o_proj": ("data", None, "model"),            # attn_output (bsz, seqlen, hidden_size)
+    "gate_proj": ("data", None, "model"),         # (bsz, seqlen, intermediate_size)
+    "up_proj": ("data", None, "model"),           # (bsz, seqlen, intermediate_size)
+    "down_proj": ("data", None, "model"),         # (bsz, seqlen, hidden_size)
+    "lm_head": ("data", None, "model"),           # logits (bsz, seqlen, vocab_size)
+}
+
+INPUT_SPEC = ("data", None)  # token batches (bsz, seqlen): batch on 'data'
+STRATEGIES = ("2d", "fsdp")
+
+
+def axis_size(mesh, axes):
+    """Devices along one mesh axis name, or along several (a tuple of names)."""
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"mesh has no axis {a!r}; its axes are {mesh.axis_names}. "
+                             f"Build it with make_mesh(axis_names=('data', 'model'))")
+    return math.prod([mesh.shape()[a] for a in axes])
+
+
+def _sizes_that_fit(n, mesh):
+    """Axis sizes that divide both n and the device count, for error messages."""
+    return " or ".join(str(s) for s in range(1, mesh.size() + 1) if mesh.size() % s == 0 and n % s == 0)
+
+
+def check_divisible(what, shape, spec, mesh):
+    """Raise a ValueError naming `what` if a sharded dimension does not split evenly."""
+    for dim, axes in enumerate(spec):
+        k = 1 if axes is None else axis_size(mesh, axes)
+        if shape[dim] % k:
+            raise ValueError(f"{what}: dim {dim} of shape {tuple(shape)} is not divisible by mesh axis "
+                             f"{axes!r} of size {k}; use a mesh whose {axes!r} axis has size "
+                             f"{_sizes_that_fit(shape[dim], mesh)}")
+
+
+def param_spec(name, shape, mesh, strategy="2d"):
+    """The partition spec of one parameter: Table 1 for '2d'; for 'fsdp' the largest dim over all devices."""
+    if strategy == "2d":
+        return PARAM_SPECS.get(name.rsplit(".", 2)[-2], (None,) * len(shape))
+    big = max(range(len(shape)), key=lambda d: shape[d])
+    return tuple(tuple(mesh.axis_names) if d == big else None for d in range(len(shape)))
+
+
+def shard_params(model, mesh, strategy="2d"):
+    """Move `model` to the XLA device with every parameter annotated; returns `sharding_table(model)`.
+
+    Every spec is checked before anything moves. nn.Linear layers are swapped for torch_xla's
+    einsum Linear (the post's first caveat: matmul flattens sharded dims and hurts propagation).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {STRATEGIES}")
+    specs = {n: param_spec(n, p.shape, mesh, strategy) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        check_divisible(n, p.shape, specs[n], mesh)
+    apply_xla_patch_to_nn_linear(model)
+    model.to(torch_xla.device())
+    for n, p in model.named_parameters():
+        xs.mark_sharding(p, mesh, specs[n])
+    model.partition_specs = specs
+    return sharding_table(model)
+
+
+def shard_shape(t):
+    """The per-device shard shape of an XLA tensor, read from its XLA sharding."""
+    m = re.search(r"devices=\[([\d,]+)\]", torch_xla._XLAC._get_xla_sharding_spec(t))
+    tiles = [int(k) for k in m.group(1).split(",")][:t.dim()] if m else [1] * t.dim()
+    return tuple(-(-s // k) for s, k in zip(t.shape, tiles))
+
+
+def sharding_table(model):
+    """One row per parameter: name, global shape, partition spec, shard shape and bytes per device."""
+    specs = getattr(model, "partition_specs", {})
+    rows = []
+    for n, p in model.named_parameters():
+        shard = shard_shape(p) if p.device.type == "xla" else tuple(p.shape)
+        rows.append(dict(name=n, shape=tuple(p.shape), spec=specs.get(n), shard=shard,
+                         bytes_per_device=math.prod(shard) * p.element_size()))
+    return rows
+
+
+class _MarkSharding(torch.autograd.Function):
+    """Annotate a tensor and its gradient. torch_xla's own version (mark_sharding_with_gradients)
+    formats the mesh inside the traced region, which dynamo cannot trace; this takes the strings."""
+
+    @staticmethod
+    def forward(ctx, t, mesh_str, spec_str):
+        ctx.strs = (mesh_str, spec_str)
+        return torch.ops.xla.aot_mark_sharding(t, mesh_str, spec_str)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.xla.aot_mark_sharding(grad, *ctx.strs), None, None
+
+
+class Constraint:
+    """Shard an intermediate tensor (JAX's with_sharding_constraint), eagerly or under torch.compile.
+
+    `Constraint("q_proj output", mesh, spec)(t)` checks the split is even and returns `t`
+    annotated; its gradient gets the same sharding in the backward pass.
+    """
+
+    def __init__(self, name, mesh, spec):
+        self.name, self.mesh, self.spec = name, mesh, spec
+        self.strs = (str(mesh), str(spec))
+        self.splits = [1 if a is None else axis_size(mesh, a) for a in spec]
+
+    def __call__(self, t):
+        for size, k in zip(t.shape, self.splits):
+            if size % k:
+                check_divisible(self.name, t.shape, self.spec, self.mesh)  # raises, naming the dim
+        return _MarkSharding.apply(t, *self.strs)
+
+
+def sharded_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *,
+                            constrain_weights, **kwargs):
+    """HF's eager attention written with einsum, with attn_weights annotated as in Table 2."""
+    key = repeat_kv(key, module.num_key_value_groups)      # (bsz, num_heads, seqlen, head_dim)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.einsum("bhqd,bhkd->bhqk", query, key) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, :key.shape[-2]]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = constrain_weights(weights)                   # (bsz, num_heads, seqlen, seqlen)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.einsum("bhqk,bhkd->bqhd", weights, value), weights  # (bsz, seqlen, num_heads, head_dim)
+
+
+def shard_activations(model, mesh):
+    """Annotate, inside the graph, the activations of Table 2 without editing the HF source.
+
+    Forward hooks shard the outputs of the embedding, every Linear and lm_head (the logits);
+    a registered attention function shards the attention weights. Returns the hook handles.
+    """
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for what, size in [("hidden_size", cfg.hidden_size), ("num_attention_heads", cfg.num_attention_heads),
+                       ("num_key_value_heads * head_dim", cfg.num_key_value_heads * head_dim),
+                       ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)]:
+        if size % axis_size(mesh, "model"):
+            raise ValueError(f"{what}={size} is not divisible by mesh axis 'model' of size "
+                             f"{axis_size(mesh, 'model')}, which splits it in Table 2; use a mesh whose "
+                             f"'model' axis has size {_sizes_that_fit(size, mesh)}")
+    axis_size(mesh, "data")
+    constraints = {n: Constraint(f"{n} output", mesh, spec) for n, spec in ACTIVATION_SPECS.items()}
+    AttentionInterface.register("xla_sharded", partial(sharded_eager_attention,
+                                                       constrain_weights=constraints["attn_weights"]))
+    AttentionMaskInterface.register("xla_sharded", eager_mask)
+    model.set_attn_implementation("xla_sharded")
+    return [m.register_forward_hook(lambda mod, args, out, c=constraints[n.rsplit(".", 1)[-1]]: c(out))
+            for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in constraints]
+
+
+def input_sharding(mesh):
+    """The ShardingSpec for token batches: batch on 'data', sequence replicated."""
+    axis_size(mesh, "data")
+    return xs.ShardingSpec(mesh, INPUT_SPEC)
+
+
+def sharded_loader(dataset, batch_size, mesh, **kwargs):
+    """A DataLoader fed through MpDeviceLoader with `input_sharding(mesh)`.
+
+    drop_last=True (the post's caveat: a smaller last batch cannot be split on 'data').
+    """
+    data = axis_size(mesh, "data")
+    if batch_size % data:
+        raise ValueError(f"batch_size {batch_size} is not divisible by the 'data' axis of size {data}; "
+                         f"use a multiple of {data}")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True, **kwargs)
+    return pl.MpDeviceLoader(loader, torch_xla.device(), input_sharding=input_sharding(mesh))
+
+
+def device_blocks(t):
+    """Which device holds which block of an XLA tensor: [(device_id, index slices)] from its shards."""
+    shards = wrap_as_sharded_tensor(t).local_shards
+    return [(int(s.shard_device.split(":")[-1]), tuple(s.indices)) for s in shards]
