@@ -17,10 +17,10 @@ class RuntimeInfo:
     process_count: int  # hosts in the job
 
 
-def _tpu_attached():
-    """libtpu installed and a TPU chip attached (v4: /dev/accel*, v5e and later: /dev/vfio)."""
+def default_pjrt_device():
+    """TPU if libtpu is installed and a chip is attached (v4: /dev/accel*, v5e on: /dev/vfio), else CPU."""
     chips = glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
-    return importlib.util.find_spec("libtpu") is not None and len(chips) > 0
+    return "TPU" if importlib.util.find_spec("libtpu") is not None and chips else "CPU"
 
 
 def init_runtime(cpu_devices=8, hlo_dump_dir=None):
@@ -33,8 +33,7 @@ def init_runtime(cpu_devices=8, hlo_dump_dir=None):
     if hlo_dump_dir:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_dump_to={hlo_dump_dir} --xla_dump_hlo_as_text").strip()
-    if "PJRT_DEVICE" not in os.environ:  # decide before torch_xla guesses (and warns)
-        os.environ["PJRT_DEVICE"] = "TPU" if _tpu_attached() else "CPU"
+    os.environ.setdefault("PJRT_DEVICE", default_pjrt_device())
     import torch_xla
     import torch_xla.runtime as xr
 

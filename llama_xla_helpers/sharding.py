@@ -83,11 +83,14 @@ def param_spec(name, shape, mesh, strategy="2d"):
     return tuple(tuple(mesh.axis_names) if d == big else None for d in range(len(shape)))
 
 
-def shard_params(model, mesh, strategy="2d"):
+def shard_params(model, mesh, strategy="2d", init=None):
     """Move `model` to the XLA device with every parameter annotated; returns `sharding_table(model)`.
 
-    Every spec is checked before anything moves. nn.Linear layers are swapped for torch_xla's
-    einsum Linear (the post's first caveat: matmul flattens sharded dims and hurts propagation).
+    Every spec is checked before anything moves. Parameters go one at a time, each device
+    receiving only its shard; those still on the meta device are created by
+    `init(name, shape)` (a CPU tensor) first, so the full unsharded model never exists.
+    nn.Linear layers are swapped for torch_xla's einsum Linear (the post's first caveat:
+    matmul flattens sharded dims and hurts sharding propagation).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {STRATEGIES}")
@@ -95,11 +98,26 @@ def shard_params(model, mesh, strategy="2d"):
     for n, p in model.named_parameters():
         check_divisible(n, p.shape, specs[n], mesh)
     apply_xla_patch_to_nn_linear(model)
-    model.to(torch_xla.device())
-    for n, p in model.named_parameters():
-        xs.mark_sharding(p, mesh, specs[n])
+    for n, p in list(model.named_parameters()):
+        owner, _, leaf = n.rpartition(".")
+        data = init(n, tuple(p.shape)) if p.is_meta else p.detach().cpu()
+        param = torch.nn.Parameter(to_sharded(data, mesh, specs[n]), requires_grad=p.requires_grad)
+        setattr(model.get_submodule(owner), leaf, param)
+    model.to(torch_xla.device())  # buffers
     model.partition_specs = specs
     return sharding_table(model)
+
+
+def to_sharded(cpu, mesh, spec):
+    """Upload a CPU tensor straight into its shards: each device receives only its block.
+
+    (`cpu.to(device)` then `mark_sharding` would first put a full copy on every device.)
+    """
+    placeholder = torch.empty(cpu.shape, dtype=cpu.dtype, device=torch_xla.device())  # IR only, no data
+    xs.mark_sharding(placeholder, mesh, spec)
+    blocks = torch_xla._XLAC._get_local_shard_replica_and_indices([placeholder])[0]
+    shards = [cpu[index if index is Ellipsis else tuple(index)].contiguous() for _, index in blocks]  # ...: replicated
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(spec), list(cpu.shape))
 
 
 def shard_shape(t):
