@@ -190,10 +190,11 @@ class Attention(nn.Module):
         k = k.transpose(1, 2).repeat_interleave(n_rep, dim=1)  # (bsz, n_heads, max_seq_len, head_dim)
         v = v.transpose(1, 2).repeat_interleave(n_rep, dim=1)
 
-        scores = q @ k.transpose(2, 3) / math.sqrt(self.head_dim)  # (bsz, n_heads, seqlen, max_seq_len)
+        # einsum, not matmul: matmul flattens (bsz, heads) and makes GSPMD gather the head-sharded cache
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(self.head_dim)  # (bsz, n_heads, seqlen, max_seq_len)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = F.softmax(scores.float(), dim=-1).type_as(q)
-        y = (probs @ v).transpose(1, 2).reshape(bsz, seqlen, -1)  # (bsz, seqlen, n_heads * head_dim)
+        y = torch.einsum("bhqk,bhkd->bqhd", probs, v).reshape(bsz, seqlen, -1)  # (bsz, seqlen, n_heads * head_dim)
         return self.o_proj(y)
 
 

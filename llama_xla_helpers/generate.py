@@ -1,0 +1,267 @@
+"""Generation without recompilation: bucketed prefill, one compiled decode step, EOS early stop.
+
+    gen = Generator(model, buckets=(128, 256, 384, 512))
+    tokens, stats = gen.generate(prompt_tokens, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0)
+
+XLA compiles one graph per distinct input shape (seeds/002). So the prompts are left-padded
+to a bucket length (one prefill graph per bucket; a prompt longer than the largest bucket is
+prefilled section by section), and every decode step feeds the same shapes: one token per
+row, its cache slot, temperature and top-p as device tensors, the generated tokens written
+into a fixed (bsz, max_seq_len) buffer with `index_copy`. The host only looks at a device
+value every `eos_check_interval` steps, to learn whether every row has produced EOS (seeds/000).
+"""
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+from .data import ByteTokenizer
+from .metrics import count_compiles
+from .sharding import Constraint
+
+
+@dataclass
+class Stats:
+    """Timings with the definitions of seeds/002: B batch size, L generated length, T time."""
+
+    batch_size: int     # B
+    new_tokens: int     # L: tokens generated per row (all rows step together, EOS or not)
+    prefill_runs: int   # prefill graph executions (prompt sections)
+    prefill_s: float    # time to fill the KV cache and pick the first token
+    decode_s: float     # time of the L - 1 decode steps
+    compiles: int       # XLA compilations during the call (0 when every graph was cached)
+
+    @property
+    def latency_s(self):  # T: until the whole result is there
+        return self.prefill_s + self.decode_s
+
+    @property
+    def per_token_latency_s(self):  # T / L
+        return self.latency_s / self.new_tokens
+
+    @property
+    def decode_step_s(self):  # one decode step, prefill excluded
+        return self.decode_s / max(self.new_tokens - 1, 1)
+
+    @property
+    def throughput(self):  # B * L / T tokens/s
+        return self.batch_size * self.new_tokens / self.latency_s
+
+    def as_dict(self):
+        derived = ("latency_s", "per_token_latency_s", "decode_step_s", "throughput")
+        return {**asdict(self), **{k: getattr(self, k) for k in derived}}
+
+
+def prefill_sections(n, buckets):
+    """Section lengths that hold an n-token prompt, left-padded into the first section.
+
+    The tokens that are not a multiple of the largest bucket go into the smallest bucket
+    that holds them, the rest into largest-bucket sections: with (128, 256, 384, 512),
+    100 -> [128], 600 -> [128, 512], 1500 -> [512, 512, 512].
+    """
+    largest = buckets[-1]
+    full, rest = divmod(n, largest)
+    first = [min(b for b in buckets if b >= rest)] if rest else []
+    return first + [largest] * full
+
+
+def sample(logits, temperature, top_p, greedy):
+    """Next token per row (bsz,) from logits (bsz, vocab_size); temperature and top_p are (1,) tensors."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    probs_sort, order = probs.sort(dim=-1, descending=True)  # (bsz, vocab_size)
+    # top-p (nucleus): keep the most likely tokens whose mass before them is <= top_p
+    # (the first token always stays), renormalize, draw one.
+    drop = probs_sort.cumsum(dim=-1) - probs_sort > top_p
+    probs_sort = probs_sort.masked_fill(drop, 0.0)
+    pick = torch.multinomial(probs_sort / probs_sort.sum(dim=-1, keepdim=True), 1)  # (bsz, 1)
+    return order.gather(-1, pick)[:, 0]
+
+
+def step(model, pin, tokens, input_pos, pad, out, out_pos, done, temperature, top_p, eos_id, greedy):
+    """Feed tokens (bsz, seqlen) at cache slots input_pos (seqlen,); write the next token into out.
+
+    The same function prefills a section (seqlen = bucket) and decodes (seqlen = 1). Every
+    value that changes between calls is a tensor, so each shape compiles once.
+    """
+    logits = model(tokens, input_pos, pad)[:, -1]  # (bsz, vocab_size)
+    nxt = sample(logits, temperature, top_p, greedy)  # (bsz,)
+    out = out.index_copy(1, out_pos, nxt[:, None])  # (bsz, max_seq_len): generated tokens so far
+    done = done | (nxt == eos_id)  # (bsz,)
+    nxt, out, done = pin(nxt), pin(out), pin(done)
+    return nxt[:, None], input_pos[-1:] + 1, out_pos + 1, out, done, done.all()
+
+
+def replicator(model):
+    """On a sharded model (`model.mesh`), a function that pins a 1-D or 2-D tensor to 'replicated'.
+
+    The step's inputs are replicated; pinning its outputs too gives every step the same
+    input shardings (one graph) and lets the host read them without a gather.
+    """
+    mesh = getattr(model, "mesh", None)
+    if mesh is None:
+        return lambda t: t
+    constraints = {n: Constraint("generation state", mesh, (None,) * n) for n in (1, 2)}
+    return lambda t: constraints[t.dim()](t)
+
+
+class Generator:
+    """Generate with a `Llama` on the XLA device (moved there if on the CPU; see
+    `parallel.shard_for_inference` for tensor parallelism).
+
+    compile=True runs the same step through `torch.compile(backend="openxla")` (Dynamo traces
+    the Python once per shape) instead of lazy tensor tracing every call; both compile one
+    XLA graph per shape.
+    """
+
+    def __init__(self, model, buckets=(128, 256, 384, 512), eos_check_interval=10, compile=False):
+        buckets = tuple(buckets)
+        increasing = list(buckets) == sorted(set(buckets))
+        if not buckets or not increasing or not all(isinstance(b, int) and b >= 1 for b in buckets):
+            raise ValueError(f"buckets={buckets} must be increasing positive ints, e.g. (128, 256, 384, 512)")
+        if buckets[-1] > model.args.max_seq_len:
+            raise ValueError(f"largest bucket {buckets[-1]} > the model's max_seq_len={model.args.max_seq_len}; "
+                             "drop it or build the model with a larger max_seq_len")
+        if not isinstance(eos_check_interval, int) or eos_check_interval < 1:
+            raise ValueError(f"eos_check_interval={eos_check_interval!r} must be an int >= 1")
+        self.device = torch_xla.device()
+        self.model = model if model.embed_tokens.weight.device.type == "xla" else model.to(self.device)
+        self.buckets, self.eos_check_interval = buckets, eos_check_interval
+        self.pin = replicator(self.model)
+        self.step = torch.compile(step, backend="openxla", fullgraph=True, dynamic=False) if compile else step
+
+    @torch.no_grad()
+    def generate(self, prompt_tokens, max_new_tokens, temperature=0.0, top_p=1.0, eos_id=None, seed=None):
+        """Continue each prompt (a list of token ids) by up to max_new_tokens tokens.
+
+        temperature 0 is greedy; > 0 samples from softmax(logits / temperature) restricted
+        to the top-p nucleus (seed: reproducible draws). Returns (tokens, Stats): tokens[b]
+        leaves out the prompt and ends at the first eos_id (kept) if there is one.
+        """
+        sections = self.check(prompt_tokens, max_new_tokens, temperature, top_p, eos_id)
+        if seed is not None:
+            torch_xla.manual_seed(seed)
+        compiles, start = count_compiles(), time.perf_counter()
+        # Shape (1,), not 0-dim: XLA bakes 0-dim zeros and ones into the graph as constants.
+        sampling = [torch.tensor([v]).to(self.device) for v in  # tensors: new values, same graph
+                    (float(temperature or 1.0), float(top_p), -1 if eos_id is None else eos_id)]
+        sampling.append(temperature == 0)  # greedy or not: a Python bool, so two graphs
+        state, pad = self.prefill(prompt_tokens, sections, sampling)
+        xm.wait_device_ops()
+        prefill_s = time.perf_counter() - start
+        state, steps = self.decode(state, pad, sampling, max_new_tokens, eos_id is not None)
+        generated = state[3].cpu()[:, :steps].tolist()
+        decode_s = time.perf_counter() - start - prefill_s
+        stats = Stats(len(prompt_tokens), steps, len(sections), prefill_s, decode_s, count_compiles() - compiles)
+        return [cut_at_eos(row, eos_id) for row in generated], stats
+
+    def prefill(self, prompt_tokens, sections, sampling):
+        """Left-pad the prompts to sum(sections) slots and run the sections; returns (step state, pad)."""
+        bsz, width = len(prompt_tokens), sum(sections)
+        padded = torch.zeros(bsz, width, dtype=torch.long)  # the padding's token id never matters
+        for b, p in enumerate(prompt_tokens):
+            padded[b, width - len(p):] = torch.tensor(p)
+        pad = torch.tensor([width - len(p) for p in prompt_tokens]).to(self.device)  # (bsz,)
+        out = torch.zeros(bsz, self.model.args.max_seq_len, dtype=torch.long).to(self.device)
+        out_pos = torch.zeros(1, dtype=torch.long).to(self.device)
+        done = torch.zeros(bsz, dtype=torch.bool).to(self.device)
+        pos = 0
+        for n in sections:  # each section writes token 0 (the same graph); the last one's is kept
+            tokens, input_pos = padded[:, pos:pos + n].to(self.device), torch.arange(pos, pos + n).to(self.device)
+            state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling)
+            out = state[3]
+            torch_xla.sync()
+            pos += n
+        return state, pad
+
+    def decode(self, state, pad, sampling, max_new_tokens, check_eos):
+        """Step until max_new_tokens tokens or until every row has produced EOS; returns (state, tokens)."""
+        steps = 1  # prefill made the first token
+        while steps < max_new_tokens:
+            if check_eos and steps % self.eos_check_interval == 0 and state[5].item():
+                break  # the one read of a device value, every eos_check_interval steps (seeds/000)
+            tokens, input_pos, out_pos, out, done, _ = state
+            state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling)
+            torch_xla.sync()
+            steps += 1
+        return state, steps
+
+    def check(self, prompt_tokens, max_new_tokens, temperature, top_p, eos_id):
+        """ValueError for bad input, before any device work; returns the prefill sections."""
+        args = self.model.args
+        if not isinstance(prompt_tokens, (list, tuple)) or not all(isinstance(p, (list, tuple))
+                                                                      for p in prompt_tokens):
+            raise TypeError("prompt_tokens must be a list of prompts, each a list of token ids")
+        if not prompt_tokens:
+            raise ValueError("prompt_tokens is empty; pass a non-empty list of prompts")
+        if len(prompt_tokens) > args.max_batch_size:
+            raise ValueError(f"batch of {len(prompt_tokens)} prompts > max_batch_size={args.max_batch_size}; "
+                             "split the batch or build the model with a larger max_batch_size")
+        for b, p in enumerate(prompt_tokens):
+            if len(p) == 0:
+                raise ValueError(f"prompt {b} is empty; every prompt needs at least one token (e.g. BOS)")
+            if not all(isinstance(t, int) for t in p):
+                raise TypeError(f"prompt {b} holds a token id that is not an int")
+            bad = [t for t in p if not 0 <= t < args.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {b} has token id {bad[0]} outside the vocabulary [0, {args.vocab_size})")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        if not temperature >= 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p={top_p} must be in (0, 1] (1 keeps every token)")
+        if eos_id is not None and not 0 <= eos_id < args.vocab_size:
+            raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {args.vocab_size})")
+        longest = max(len(p) for p in prompt_tokens)
+        sections = prefill_sections(longest, self.buckets)
+        need = sum(sections) + max_new_tokens
+        if need > args.max_seq_len:
+            raise ValueError(f"the longest prompt ({longest} tokens, padded to {sum(sections)} for buckets "
+                             f"{self.buckets}) + max_new_tokens={max_new_tokens} = {need} cache slots > "
+                             f"max_seq_len={args.max_seq_len}; ask for fewer tokens or build the model "
+                             f"with max_seq_len >= {need}")
+        return sections
+
+
+def cut_at_eos(tokens, eos_id):
+    """tokens up to and including the first eos_id."""
+    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+# --- Text in, text out ---------------------------------------------------------------------
+
+def load_tokenizer(path):
+    """A Hugging Face tokenizer from a local directory (never the network)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def llama3_chat(messages):
+    """A Llama 3 chat prompt: messages [{"role": ..., "content": ...}] (or one user string),
+    ending with the assistant header so the model writes the reply."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    turns = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+                    for m in messages)
+    return f"<|begin_of_text|>{turns}<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+def generate_text(generator, tokenizer, prompts, max_new_tokens=64, **kwargs):
+    """Generate from text prompts with the tutorial's `ByteTokenizer` or a Hugging Face tokenizer.
+
+    eos_id defaults to the tokenizer's EOS (for Llama 3 chat pass the id of "<|eot_id|>").
+    Returns (texts, stats); the texts leave out the prompts and special tokens.
+    """
+    if isinstance(tokenizer, ByteTokenizer):
+        ids = [tokenizer.encode(p) for p in prompts]
+        eos_id, decode = tokenizer.eos_id, tokenizer.decode
+    else:  # a prompt that already starts with BOS (a chat prompt) gets no second one
+        bos = tokenizer.bos_token
+        ids = [tokenizer.encode(p, add_special_tokens=not (bos and p.startswith(bos))) for p in prompts]
+        eos_id, decode = tokenizer.eos_token_id, lambda t: tokenizer.decode(t, skip_special_tokens=True)
+    tokens, stats = generator.generate(ids, max_new_tokens, **{"eos_id": eos_id, **kwargs})
+    return [decode(t) for t in tokens], stats

@@ -1,0 +1,201 @@
+"""Tensor parallelism for the inference Llama, and KV-head replication for meshes wider than n_kv_heads.
+
+    model = shard_for_inference(Llama.from_hf(hf, max_batch_size=8, max_seq_len=512), mesh)
+
+Megatron sharding over the mesh's 'model' axis, as fairscale does for Llama (seeds/003):
+q/k/v and gate/up are column-parallel (output features split: each device owns whole heads
+and a slice of the MLP), o_proj and down_proj row-parallel (input features split: each
+device holds a partial sum that one all-reduce completes), the embedding and the output
+projection vocabulary-parallel (the logits are all-gathered), and the KV cache split on heads,
+so attention runs locally. GSPMD inserts the collectives; `decode_collectives` counts them.
+
+Grouped-query attention caps the 'model' axis at n_kv_heads. `replicate_kv_heads` copies
+each key/value head so a wider axis still splits the cache (seeds/000: Llama 2 70B's 8 KV
+heads on 16 chips); the CLI does the same to a checkpoint directory:
+
+    python -m llama_xla_helpers.parallel reshard SRC DST --factor 2
+"""
+import argparse
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch_xla
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from . import hlo
+from .model import Llama, safetensors_files
+from .sharding import axis_size, to_sharded
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def param_spec(name, ndim):
+    """Partition spec of one weight (nn.Linear stores (out_features, in_features))."""
+    module = name.rsplit(".", 2)[-2]
+    if module in COLUMN_PARALLEL:  # output features (or the vocabulary) on 'model'
+        return ("model",) + (None,) * (ndim - 1)
+    if module in ROW_PARALLEL and ndim >= 2:  # input features on 'model'
+        return (None, "model") + (None,) * (ndim - 2)
+    return (None,) * ndim  # norms (and 1-D tensors of row-parallel layers): replicated
+
+
+def cache_spec(mesh):
+    """(max_batch_size, max_seq_len, n_kv_heads, head_dim): heads on 'model', batch on 'data' if any."""
+    return ("data" if "data" in mesh.axis_names else None, None, "model", None)
+
+
+def check_tensor_parallel(args, mesh):
+    """ValueError, naming the value, the axis size and a fix, if the model does not split evenly."""
+    tp = axis_size(mesh, "model")
+    if args.n_kv_heads % tp and tp % args.n_kv_heads == 0 and args.n_heads % tp == 0:
+        raise ValueError(f"n_kv_heads={args.n_kv_heads} < the 'model' axis of size {tp}, so the KV cache "
+                         f"cannot split on heads; replicate them first: "
+                         f"model = replicate_kv_heads(model, factor={tp // args.n_kv_heads})")
+    for name in ("n_heads", "n_kv_heads", "intermediate_size", "vocab_size"):
+        value = getattr(args, name)
+        if value % tp:
+            fits = [k for k in range(1, tp) if value % k == 0 and tp % k == 0]
+            raise ValueError(f"{name}={value} is not divisible by the 'model' axis of size {tp}; use a mesh "
+                             f"whose 'model' axis is one of {fits}" +
+                             (" or pad the vocabulary to a multiple of it" if name == "vocab_size" else ""))
+    if "data" in mesh.axis_names and args.max_batch_size % axis_size(mesh, "data"):
+        data = axis_size(mesh, "data")
+        raise ValueError(f"max_batch_size={args.max_batch_size} is not divisible by the 'data' axis of size "
+                         f"{data}; build the model with a max_batch_size that is a multiple of {data}")
+
+
+def shard_for_inference(model, mesh):
+    """Put a CPU `Llama` on the XLA devices, Megatron-sharded over mesh axis 'model'; returns it.
+
+    A 1-D ('model',) mesh is pure tensor parallelism; a ('data', 'model') mesh also splits
+    the batch (the KV cache's and the inputs', see `Generator`) over 'data'.
+    """
+    check_tensor_parallel(model.args, mesh)
+    for name, p in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        sharded = to_sharded(p.detach().cpu(), mesh, param_spec(name, p.dim()))
+        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(sharded, requires_grad=False))
+    if model.args.tie_word_embeddings:  # named_parameters lists the shared weight once
+        model.lm_head.weight = model.embed_tokens.weight
+    for layer in model.layers:
+        cache = layer.self_attn.kv_cache
+        cache.k_cache = to_sharded(cache.k_cache.cpu(), mesh, cache_spec(mesh))
+        cache.v_cache = to_sharded(cache.v_cache.cpu(), mesh, cache_spec(mesh))
+    model.rope_cos, model.rope_sin = model.rope_cos.to(torch_xla.device()), model.rope_sin.to(torch_xla.device())
+    model.mesh = mesh
+    return model
+
+
+def decode_collectives(model, batch_size=1):
+    """Collectives of one compiled decode step (one token per row in, greedy next token out).
+
+    Returns hlo.collectives' ({op: count}, {op: bytes per device}). Needs the HLO dump of
+    `init_runtime(hlo_dump_dir=...)` and a graph not compiled before (see `hlo.compiled_hlo`).
+    seeds/003 predicts one all-reduce for the vocabulary-parallel embedding, one after each
+    row-parallel layer (o_proj, down_proj: 2 per block), and an all-gather of the
+    vocabulary-parallel logits; for argmax GSPMD gathers only each shard's best (value, index).
+    """
+    device = torch_xla.device()
+    tokens = torch.zeros(batch_size, 1, dtype=torch.long).to(device)
+    with hlo.compiled_hlo() as modules:
+        logits = model(tokens, torch.zeros(1, dtype=torch.long).to(device))  # (bsz, 1, vocab_size)
+        nxt = logits[:, -1].argmax(dim=-1)  # (bsz,)
+        torch_xla.sync()  # nxt is live, so the graph ends with the pick over the whole vocabulary
+    return hlo.collectives("".join(modules))
+
+
+# --- KV-head replication ----------------------------------------------------------------------
+
+def replicate_heads(weight, factor, head_dim):
+    """(n_kv_heads * head_dim, dim) -> (n_kv_heads * factor * head_dim, dim): head i becomes copies
+    i*factor ... i*factor + factor-1, so query head h still reads a copy of its old KV head."""
+    dim = weight.shape[-1]
+    return weight.view(-1, head_dim, dim).repeat_interleave(factor, dim=0).reshape(-1, dim)
+
+
+def replicate_kv_heads(model_or_state, factor, head_dim=None):
+    """Duplicate every key/value head `factor` times; outputs are unchanged.
+
+    model_or_state: a `Llama` (returns a new CPU Llama with n_kv_heads * factor) or a Hugging
+    Face / Llama state dict (returns a new dict; pass head_dim). The cache grows by `factor`,
+    which is what lets it split over a 'model' axis factor times wider.
+    """
+    if isinstance(model_or_state, Llama):
+        args = model_or_state.args
+        check_factor(factor, args.n_heads, args.n_kv_heads)
+        state = {k: v.detach().cpu() for k, v in model_or_state.state_dict().items()}
+        new_args = dataclasses.replace(args, n_kv_heads=args.n_kv_heads * factor)
+        return Llama.from_state_dict(new_args, replicate_kv_heads(state, factor, args.head_dim))
+    check_factor(factor)
+    if head_dim is None:
+        raise ValueError("replicating a state dict needs head_dim (hidden_size // num_attention_heads)")
+    return {name: replicate_heads(t, factor, head_dim) if name.endswith(("k_proj.weight", "v_proj.weight")) else t
+            for name, t in model_or_state.items()}
+
+
+def check_factor(factor, n_heads=None, n_kv_heads=None):
+    if not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"factor={factor!r} must be an int >= 1")
+    if n_heads is not None and n_heads % (n_kv_heads * factor):
+        raise ValueError(f"factor={factor} gives {n_kv_heads * factor} KV heads, which do not divide "
+                         f"n_heads={n_heads}; use a factor that divides {n_heads // n_kv_heads}")
+
+
+def reshard_checkpoint(src, dst, factor):
+    """Write a copy of the local HF checkpoint `src` to `dst` with each KV head replicated factor times.
+
+    The weights go into one model.safetensors; other files (tokenizer, generation config)
+    are copied. Everything is written next to dst first and renamed at the end, so a crash
+    never leaves a half-written checkpoint at dst.
+    """
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{dst} exists and is not empty; choose a new directory for the resharded checkpoint")
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} has no config.json: expected a local Hugging Face checkpoint directory")
+    config = json.loads((src / "config.json").read_text())
+    hf = LlamaConfig.from_dict(config)
+    check_factor(factor, hf.num_attention_heads, hf.num_key_value_heads)
+    state = {}
+    for file in safetensors_files(src):
+        state.update(load_file(file))
+    state = replicate_kv_heads(state, factor, head_dim=hf.head_dim)
+
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():  # tokenizer, generation config, ...: unchanged
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", SAFETENSORS_INDEX):
+            shutil.copy2(f, tmp / f.name)
+    config["num_key_value_heads"] = hf.num_key_value_heads * factor
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+    if dst.exists():
+        dst.rmdir()
+    tmp.rename(dst)
+    return dst
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m llama_xla_helpers.parallel")
+    commands = parser.add_subparsers(dest="command", required=True)
+    reshard = commands.add_parser("reshard", help="replicate the KV heads of a local HF Llama checkpoint")
+    reshard.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
+    reshard.add_argument("dst", help="new directory to write")
+    reshard.add_argument("--factor", type=int, required=True, help="copies of each KV head")
+    args = parser.parse_args(argv)
+    try:
+        out = reshard_checkpoint(args.src, args.dst, args.factor)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    print(f"wrote {out} with {args.factor}x KV heads")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Generator on the XLA device: greedy tokens equal Hugging Face's, no recompilation per token,
+sampling, EOS early stop, bad input, text in / text out."""
+import functools
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.data import ByteTokenizer
+from llama_xla_helpers.generate import (Generator, generate_text, llama3_chat, load_tokenizer,
+                                        prefill_sections)
+from llama_xla_helpers.metrics import count_compiles
+from llama_xla_helpers.model import Llama
+from util import hf_model
+
+BUCKETS = (16, 32, 64, 128)
+# 150 > the largest bucket: sections [32, 128] (two bucket graphs), 160 padded slots.
+LENGTHS = (5, 127, 128, 129, 150)
+NEW_TOKENS = 64
+MAX_SEQ_LEN = 160 + NEW_TOKENS
+LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=32)  # short, so the scaling matters here
+VARIANTS = {
+    "mha": dict(num_key_value_heads=8),
+    "gqa": dict(num_key_value_heads=4),
+    "llama3.1": dict(num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA31_SCALING),
+}
+
+
+def tiny(layers=2, **overrides):
+    """The tiny config with large random weights, so greedy tokens vary."""
+    return get_config("tiny", num_hidden_layers=layers, initializer_range=0.2, **overrides)
+
+
+def prompts(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@functools.cache
+def reference(variant):
+    """(HF model, its greedy tokens for each prompt run alone): eager, CPU, fp32, no EOS stop."""
+    hf = hf_model(tiny(**VARIANTS[variant]))
+    hf.generation_config.eos_token_id = None
+    expected = []
+    for p in prompts():
+        ids = torch.tensor([p])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected.append(out[0, len(p):].tolist())
+    assert all(len(set(row)) > 10 for row in expected), "random model repeats itself: the test proves nothing"
+    return hf, expected
+
+
+def small_generator(max_batch_size=2, max_seq_len=320, **kwargs):
+    """A 1-layer model, for tests about the loop rather than the numbers."""
+    model = Llama.from_hf(hf_model(tiny(layers=1)), max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    return Generator(model, buckets=BUCKETS, **kwargs)
+
+
+def test_prefill_sections():
+    assert [prefill_sections(n, BUCKETS) for n in (1, 16, 17, 127, 128, 129, 150, 256)] == [
+        [16], [16], [32], [128], [128], [16, 128], [32, 128], [128, 128]]
+    default = (128, 256, 384, 512)
+    assert prefill_sections(1500, default) == [512, 512, 512]  # 476 tokens fill a 512 bucket, then 2 more
+    assert len(prefill_sections(2047, default)) == 4  # the post: "up to 2,047 tokens ... up to 4"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_matches_hugging_face(variant):
+    hf, expected = reference(variant)
+    model = Llama.from_hf(hf, max_batch_size=len(LENGTHS), max_seq_len=MAX_SEQ_LEN)
+    tokens, stats = Generator(model, buckets=BUCKETS).generate(prompts(), NEW_TOKENS)
+    assert tokens == expected
+    assert (stats.batch_size, stats.new_tokens, stats.prefill_runs) == (5, NEW_TOKENS, 2)
+    assert stats.compiles <= 2 + 2  # buckets 32 and 128, the decode step (+1 spare)
+
+
+def test_compiles_do_not_grow_with_new_tokens():
+    gen = small_generator()
+    batch = prompts((3, 20))  # bucket 32 only
+    counts = []
+    for bsz, n in ((1, 64), (2, 256)):  # a fresh batch size each: nothing comes from the cache
+        tokens, stats = gen.generate(batch[:bsz], n)
+        assert [len(t) for t in tokens] == [n] * bsz
+        counts.append(stats.compiles)
+    assert counts[0] == counts[1] <= 1 + 2, counts  # buckets used + 2
+    assert gen.generate(batch, 100)[1].compiles == 0
+
+
+def test_sampling_reproducible_and_no_recompile():
+    gen = small_generator()
+    batch = prompts((7, 30))
+    greedy, _ = gen.generate(batch, 24)
+    first, stats = gen.generate(batch, 24, temperature=0.8, top_p=0.9, seed=1)
+    again, _ = gen.generate(batch, 24, temperature=0.8, top_p=0.9, seed=1)
+    assert again == first
+    assert gen.generate(batch, 24, temperature=0.8, top_p=0.9, seed=2)[0] != first
+    assert first != greedy
+    other, stats = gen.generate(batch, 24, temperature=1.3, top_p=0.5, seed=1)
+    assert stats.compiles == 0  # temperature and top-p are tensors: same graph
+    nucleus_of_one, stats = gen.generate(batch, 24, temperature=1.0, top_p=1e-6, seed=3)
+    assert nucleus_of_one == greedy and stats.compiles == 0
+
+
+def test_eos_stops_within_check_interval():
+    gen = small_generator(eos_check_interval=4)
+    batch = prompts((9, 40), seed=5)
+    rows, _ = gen.generate(batch, 64)
+    # the token that every row produces soonest; generation can stop once all rows have it
+    shared = set(rows[0]).intersection(*rows[1:])
+    assert shared, "no token is common to all rows; pick other prompts"
+    eos = min(shared, key=lambda t: max(r.index(t) for r in rows))
+    last = max(r.index(eos) for r in rows) + 1  # tokens made when the last row ended
+    assert last + 4 < 64, "EOS comes too late to show early stopping; pick other prompts"
+
+    tokens, stats = gen.generate(batch, 64, eos_id=eos)
+    assert tokens == [r[:r.index(eos) + 1] for r in rows]  # ends at EOS, nothing after it
+    assert last <= stats.new_tokens < last + 4
+    assert stats.new_tokens % 4 == 0  # the host looked only every 4 steps
+    assert stats.compiles == 0  # eos_id is a tensor too
+
+
+def test_torch_compile_variant_matches_lazy():
+    hf = hf_model(tiny(layers=1))
+    batch = prompts((6, 33))
+    lazy, _ = Generator(Llama.from_hf(hf, 2, 128), buckets=BUCKETS).generate(batch, 16)
+    dynamo = Generator(Llama.from_hf(hf, 2, 128), buckets=BUCKETS, compile=True)
+    tokens, stats = dynamo.generate(batch, 16)
+    assert tokens == lazy
+    assert stats.compiles <= 1 + 2
+    assert dynamo.generate(batch, 30)[1].compiles == 0
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return small_generator(max_batch_size=2, max_seq_len=128)
+
+
+@pytest.mark.parametrize("prompt_tokens, kwargs, message", [
+    ([], {}, "prompt_tokens is empty"),
+    ([[1, 2], []], {}, "prompt 1 is empty"),
+    ([[1, 264]], {}, r"token id 264 outside the vocabulary \[0, 264\)"),
+    ([[-1, 2]], {}, r"token id -1 outside the vocabulary"),
+    ([[1], [2], [3]], {}, "batch of 3 prompts > max_batch_size=2"),
+    ([[1] * 40], dict(max_new_tokens=100), r"padded to 64 .* = 164 cache slots > max_seq_len=128"),
+    ([[1]], dict(max_new_tokens=0), "max_new_tokens=0 must be an int >= 1"),
+    ([[1]], dict(temperature=-0.1), r"temperature=-0.1 must be >= 0"),
+    ([[1]], dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    ([[1]], dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+    ([[1]], dict(eos_id=300), r"eos_id=300 is outside the vocabulary"),
+])
+def test_bad_input_raises_before_work(gen, prompt_tokens, kwargs, message):
+    compiles = count_compiles()
+    with pytest.raises(ValueError, match=message):
+        gen.generate(prompt_tokens, **{"max_new_tokens": 8, **kwargs})
+    assert count_compiles() == compiles
+
+
+@pytest.mark.parametrize("prompt_tokens", ["hello", [1, 2], [[1, 2.0]]])
+def test_prompts_that_are_not_lists_of_ints_raise_type_error(gen, prompt_tokens):
+    with pytest.raises(TypeError):
+        gen.generate(prompt_tokens, 8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(buckets=(32, 16)), "must be increasing positive ints"),
+    (dict(buckets=(16, 256)), "largest bucket 256 > the model's max_seq_len=128"),
+    (dict(eos_check_interval=0), "eos_check_interval=0 must be an int >= 1"),
+])
+def test_bad_generator_arguments(gen, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Generator(gen.model, **{"buckets": BUCKETS, **kwargs})
+
+
+def test_llama3_chat_format():
+    assert llama3_chat("Hi!") == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
+                                  "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    two = llama3_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert two.count("<|begin_of_text|>") == 1 and "system<|end_header_id|>\n\nBe brief.<|eot_id|>" in two
+
+
+def test_generate_text_with_byte_tokenizer(gen):
+    tok = ByteTokenizer()
+    texts, stats = generate_text(gen, tok, ["Hello", "The"], max_new_tokens=12)
+    tokens, _ = gen.generate([tok.encode("Hello"), tok.encode("The")], 12, eos_id=tok.eos_id)
+    assert texts == [tok.decode(t) for t in tokens]
+    assert stats.batch_size == 2
+
+
+def word_tokenizer(path):
+    """A small word-level Hugging Face tokenizer with Llama 3's chat tokens, saved to `path`."""
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+               "<|eot_id|>", "<unk>"]
+    words = special + "user assistant system hello world how are you the a cat sat".split()
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|begin_of_text|>",
+                                  eos_token="<|eot_id|>", unk_token="<unk>", additional_special_tokens=special[:4])
+    tok.save_pretrained(path)
+    return path
+
+
+def test_generate_text_with_local_hf_tokenizer(gen, tmp_path):
+    tok = load_tokenizer(word_tokenizer(tmp_path))
+    chat = llama3_chat("hello how are you")
+    ids = tok.encode(chat, add_special_tokens=False)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    texts, _ = generate_text(gen, tok, [chat, "the cat"], max_new_tokens=10)
+    tokens, _ = gen.generate([ids, tok.encode("the cat")], 10, eos_id=tok.eos_token_id)
+    assert texts == [tok.decode(t, skip_special_tokens=True) for t in tokens]

@@ -1,0 +1,141 @@
+"""Tensor-parallel inference on 8 devices: Megatron sharding, the collectives of a decode step,
+KV-head replication and the resharding CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llama_xla_helpers.generate import Generator
+from llama_xla_helpers.mesh import make_mesh
+from llama_xla_helpers.model import Llama
+from llama_xla_helpers.parallel import decode_collectives, main, replicate_kv_heads, shard_for_inference
+from llama_xla_helpers.sharding import shard_shape
+from test_generate import BUCKETS, LENGTHS, MAX_SEQ_LEN, NEW_TOKENS, VARIANTS, prompts, reference, tiny
+from util import hf_model
+
+
+def sharded(hf, mesh, max_batch_size, max_seq_len=MAX_SEQ_LEN):
+    """The HF model as a sharded inference Llama, KV heads replicated up to the 'model' axis if needed."""
+    model = Llama.from_hf(hf, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    tp = mesh.shape()["model"]
+    if model.args.n_kv_heads < tp:
+        model = replicate_kv_heads(model, tp // model.args.n_kv_heads)
+    return shard_for_inference(model, mesh)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tensor_parallel_greedy_matches_hugging_face(variant):
+    hf, expected = reference(variant)
+    model = sharded(hf, make_mesh((8,), ("model",)), max_batch_size=len(LENGTHS))
+    tokens, stats = Generator(model, buckets=BUCKETS).generate(prompts(), NEW_TOKENS)
+    assert tokens == expected
+    assert stats.compiles <= 2 + 2
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    shards = {name: shard_shape(t) for name, t in [
+        ("embed", model.embed_tokens.weight), ("q", attn.q_proj.weight), ("k", attn.k_proj.weight),
+        ("o", attn.o_proj.weight), ("up", mlp.up_proj.weight), ("down", mlp.down_proj.weight),
+        ("lm_head", model.lm_head.weight), ("cache", attn.kv_cache.k_cache)]}
+    assert shards == {"embed": (33, 128), "q": (16, 128), "k": (16, 128), "o": (128, 16), "up": (44, 128),
+                      "down": (128, 44), "lm_head": (33, 128), "cache": (5, MAX_SEQ_LEN, 1, 16)}
+
+
+def test_2d_mesh_splits_batch_and_model():
+    hf, expected = reference("gqa")  # 4 KV heads: the 'model' axis of 4 needs no replication
+    model = sharded(hf, make_mesh((2, 4), ("data", "model")), max_batch_size=4)
+    assert shard_shape(model.layers[0].self_attn.kv_cache.k_cache) == (2, MAX_SEQ_LEN, 1, 16)
+    tokens, _ = Generator(model, buckets=BUCKETS).generate(prompts()[1:], NEW_TOKENS)
+    assert tokens == expected[1:]
+
+
+@pytest.fixture(scope="module")
+def collectives():
+    """Collectives of one decode step of a 2-layer MHA model, tensor-parallel over 8 devices."""
+    model = sharded(hf_model(tiny()), make_mesh((8,), ("model",)), max_batch_size=3, max_seq_len=64)
+    return decode_collectives(model, batch_size=3)
+
+
+def test_decode_step_all_reduces_after_row_parallel_layers(collectives):
+    counts, _ = collectives
+    # seeds/003: one all-reduce for the vocabulary-parallel embedding, one after each
+    # row-parallel layer (o_proj, down_proj) of each of the 2 blocks; the logits are gathered.
+    assert counts["all-reduce"] == 1 + 2 * 2
+    assert counts["all-gather"] >= 1
+
+
+def test_decode_step_gathers_no_more_than_the_logits(collectives):
+    # Attention with einsum keeps heads local: nothing but the logits' (value, index) crosses devices.
+    _, nbytes = collectives
+    assert nbytes["all-gather"] <= 3 * 264 * 4  # (bsz, vocab_size) fp32
+
+
+@pytest.mark.parametrize("variant, factor", [("gqa", 2), ("llama3.1", 4)])
+def test_replicated_kv_heads_give_identical_outputs(variant, factor):
+    hf = hf_model(tiny(**VARIANTS[variant]))
+    model = Llama.from_hf(hf, max_batch_size=2, max_seq_len=48)
+    wide = replicate_kv_heads(model, factor)
+    assert wide.args.n_kv_heads == model.args.n_kv_heads * factor == 8
+    assert wide.layers[0].self_attn.kv_cache.k_cache.shape == (2, 48, 8, 16)
+    toks = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    expected = model(toks, torch.arange(40))
+    torch.testing.assert_close(wide(toks, torch.arange(40)), expected, atol=1e-6, rtol=0)
+    state = replicate_kv_heads(hf.state_dict(), factor, head_dim=16)  # the state-dict form
+    assert state["model.layers.0.self_attn.v_proj.weight"].shape == (8 * 16, 128)
+    torch.testing.assert_close(Llama.from_state_dict(wide.args, state)(toks, torch.arange(40)), expected,
+                               atol=1e-6, rtol=0)
+
+
+def test_replicate_kv_heads_bad_arguments():
+    model = Llama.from_hf(hf_model(tiny(layers=1, num_key_value_heads=2)), max_batch_size=1, max_seq_len=8)
+    with pytest.raises(ValueError, match="factor=3 gives 6 KV heads, which do not divide n_heads=8"):
+        replicate_kv_heads(model, 3)
+    with pytest.raises(ValueError, match="factor=0 must be an int >= 1"):
+        replicate_kv_heads(model, 0)
+    with pytest.raises(ValueError, match="needs head_dim"):
+        replicate_kv_heads(model.state_dict(), 2)
+
+
+@pytest.mark.parametrize("overrides, mesh_shape, axes, message", [
+    (dict(num_key_value_heads=2), (8,), ("model",),
+     r"n_kv_heads=2 < the 'model' axis of size 8.*replicate_kv_heads\(model, factor=4\)"),
+    (dict(vocab_size=260, num_key_value_heads=8), (8,), ("model",),
+     r"vocab_size=260 is not divisible by the 'model' axis of size 8; .* one of \[1, 2, 4\]"),
+    (dict(intermediate_size=350), (2, 4), ("data", "model"),
+     r"intermediate_size=350 is not divisible by the 'model' axis of size 4; .* one of \[1, 2\]"),
+    (dict(), (8,), ("data",), r"mesh has no axis 'model'"),
+])
+def test_shard_for_inference_checks_first(overrides, mesh_shape, axes, message):
+    model = Llama.from_hf(hf_model(tiny(layers=1, **overrides)), max_batch_size=2, max_seq_len=8)
+    with pytest.raises(ValueError, match=message):
+        shard_for_inference(model, make_mesh(mesh_shape, axes))
+    assert model.embed_tokens.weight.device.type == "cpu"  # nothing moved
+
+
+def test_shard_for_inference_checks_batch_against_data_axis():
+    model = Llama.from_hf(hf_model(tiny(layers=1)), max_batch_size=3, max_seq_len=8)
+    with pytest.raises(ValueError, match="max_batch_size=3 is not divisible by the 'data' axis of size 2"):
+        shard_for_inference(model, make_mesh((2, 4), ("data", "model")))
+
+
+def test_reshard_cli_round_trip(tmp_path):
+    hf = hf_model(tiny(layers=1, **VARIANTS["llama3.1"]))
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    hf.save_pretrained(src, max_shard_size="300KB")  # sharded: an index and several files
+    (src / "tokenizer_config.json").write_text("{}")
+    cli = [sys.executable, "-m", "llama_xla_helpers.parallel", "reshard", str(src), str(dst), "--factor", "4"]
+    subprocess.run(cli, check=True, capture_output=True)
+
+    assert json.loads((dst / "config.json").read_text())["num_key_value_heads"] == 8
+    assert (dst / "tokenizer_config.json").is_file() and (dst / "model.safetensors").is_file()
+    original = Llama.from_pretrained(src, max_batch_size=1, max_seq_len=24)
+    wide = Llama.from_pretrained(dst, max_batch_size=1, max_seq_len=24)
+    assert wide.args.n_kv_heads == 8
+    toks = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(wide(toks, torch.arange(20)), original(toks, torch.arange(20)), atol=1e-6, rtol=0)
+
+    with pytest.raises(SystemExit):  # never overwrites: dst is not empty now
+        main(["reshard", str(src), str(dst), "--factor", "4"])
+    with pytest.raises(SystemExit):  # 2 * 3 KV heads do not divide 8 query heads
+        main(["reshard", str(src), str(tmp_path / "other"), "--factor", "3"])
+    assert not (tmp_path / "other").exists()
