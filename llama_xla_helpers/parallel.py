@@ -28,21 +28,37 @@ from transformers import LlamaConfig
 
 from . import hlo
 from .model import Llama, safetensors_files
-from .sharding import axis_size, to_sharded
+from .sharding import axis_size, check_divisible, to_sharded
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def param_spec(name, ndim):
-    """Partition spec of one weight (nn.Linear stores (out_features, in_features))."""
+def param_spec(name, ndim, tp=1, shape=None):
+    """Partition spec of one weight (nn.Linear stores (out_features, in_features)), or of a
+    quantized layer's tensors (quantize.Int8Linear / Int4Linear), named like the weight:
+
+    - `<layer>.weight`: int8 codes (out, in) or packed int4 codes (out, in // 2): the same rule
+      as a float weight. Row-parallel splits the packed dim; byte i holds inputs 2i and 2i+1,
+      so each device still gets whole, contiguous inputs (in // 2 must divide by tp).
+    - `<layer>.scales` / `.zeros`: (out,) for int8, (out, n_groups) for int4. Column-parallel:
+      split on out, like the weight's rows. Row-parallel: each output needs every group, so
+      out is never split; the groups are split only when n_groups divides by tp (shape given):
+      device d's input slice is then exactly groups d*n_groups/tp ... of its own, and its
+      dequantize stays local. Otherwise (e.g. one group of 128 over 8 devices, whose slices are
+      16-input pieces of one group) they are replicated: always correct, and they are small
+      (2 bytes per group of weights per output).
+    """
     module = name.rsplit(".", 2)[-2]
+    leaf = name.rsplit(".", 1)[-1]
     if module in COLUMN_PARALLEL:  # output features (or the vocabulary) on 'model'
         return ("model",) + (None,) * (ndim - 1)
-    if module in ROW_PARALLEL and ndim >= 2:  # input features on 'model'
+    if module in ROW_PARALLEL and ndim >= 2:  # input features (or groups of them) on 'model'
+        if leaf in ("scales", "zeros") and (shape is None or shape[1] % tp):
+            return (None,) * ndim
         return (None, "model") + (None,) * (ndim - 2)
-    return (None,) * ndim  # norms (and 1-D tensors of row-parallel layers): replicated
+    return (None,) * ndim  # norms (and 1-D tensors of row-parallel layers, int8 scales): replicated
 
 
 def cache_spec(mesh):
@@ -73,15 +89,29 @@ def check_tensor_parallel(args, mesh):
 def shard_for_inference(model, mesh):
     """Put a CPU `Llama` on the XLA devices, Megatron-sharded over mesh axis 'model'; returns it.
 
+    Quantized models (`quantize.quantize`) too: their integer codes, scales and zeros are
+    placed by the same rules as the float weights (see `param_spec`).
+
     A 1-D ('model',) mesh is pure tensor parallelism; a ('data', 'model') mesh also splits
     the batch (the KV cache's and the inputs', see `Generator`) over 'data'.
     """
     check_tensor_parallel(model.args, mesh)
-    for name, p in list(model.named_parameters()):
+    tp = axis_size(mesh, "model")
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    # Every persistent tensor: parameters, and the buffers of quantized layers (codes, scales, zeros);
+    # the shared weight of tied embeddings is placed once, as embed_tokens, and re-tied below.
+    tensors = {name: t for name, t in model.state_dict(keep_vars=True).items()
+               if not (tied and name == "lm_head.weight")}
+    specs = {name: param_spec(name, t.dim(), tp, t.shape) for name, t in tensors.items()}
+    for name, t in tensors.items():  # e.g. packed int4 codes: in_features // 2 must split too
+        check_divisible(name, t.shape, specs[name], mesh)
+    for name, t in tensors.items():
         owner, _, leaf = name.rpartition(".")
-        sharded = to_sharded(p.detach().cpu(), mesh, param_spec(name, p.dim()))
-        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(sharded, requires_grad=False))
-    if model.args.tie_word_embeddings:  # named_parameters lists the shared weight once
+        sharded = to_sharded(t.detach().cpu(), mesh, specs[name])
+        if isinstance(t, torch.nn.Parameter):
+            sharded = torch.nn.Parameter(sharded, requires_grad=False)
+        setattr(model.get_submodule(owner), leaf, sharded)  # a registered buffer stays a buffer
+    if tied:
         model.lm_head.weight = model.embed_tokens.weight
     for layer in model.layers:
         cache = layer.self_attn.kv_cache

@@ -83,3 +83,26 @@ def plot_bars(groups, ylabel, title, name, log=False):
     if len(series) > 1:
         ax.legend(fontsize=8)
     return _finish(fig, name)
+
+
+def plot_loss(losses, val_losses, name="loss"):
+    """Training loss per step and held-out loss at the steps it was measured (nats per byte)."""
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
+    ax.plot(list(losses), list(losses.values()), lw=1, label="train")
+    ax.plot(list(val_losses), list(val_losses.values()), "o-", label="held-out")
+    ax.set_xlabel("step"), ax.set_ylabel("loss (nats / byte)"), ax.legend()
+    return _finish(fig, name)
+
+
+def plot_lines(series, xlabel, ylabel, title, name, log=False):
+    """One line per series: series = {label: {x: y}}."""
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
+    for label, points in series.items():
+        ax.plot(list(points), list(points.values()), "o-", label=label)
+    ax.set_xlabel(xlabel), ax.set_ylabel(ylabel), ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    return _finish(fig, name)

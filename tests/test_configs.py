@@ -23,7 +23,7 @@ def test_every_config_builds(name):
 def test_tiny_exact():
     cfg = get_config("tiny")
     expected = dict(
-        vocab_size=264, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+        vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=256, eos_token_id=257, pad_token_id=None,

@@ -139,8 +139,8 @@ def test_from_pretrained_wrong_shape_names_the_tensor(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ("drop", r"no tensor 'layers.0.mlp.up_proj.weight' \(model expects shape \(352, 128\)\)"),
-    ("extra", r"'layers.9.mlp.up_proj.weight' \(shape \(352, 128\)\) is not in the model"),
+    ("drop", r"no tensor 'layers.0.mlp.up_proj.weight' \(model expects shape \(384, 128\)\)"),
+    ("extra", r"'layers.9.mlp.up_proj.weight' \(shape \(384, 128\)\) is not in the model"),
 ])
 def test_from_pretrained_missing_or_unexpected_tensor(tmp_path, change, message):
     hf = hf_model(tiny())
@@ -148,7 +148,7 @@ def test_from_pretrained_missing_or_unexpected_tensor(tmp_path, change, message)
     if change == "drop":
         del state["model.layers.0.mlp.up_proj.weight"]
     else:
-        state["model.layers.9.mlp.up_proj.weight"] = torch.zeros(352, 128)
+        state["model.layers.9.mlp.up_proj.weight"] = torch.zeros(384, 128)
     write_checkpoint(tmp_path, hf, state)
     with pytest.raises(ValueError, match=message):
         Llama.from_pretrained(tmp_path, max_batch_size=1, max_seq_len=8)

@@ -11,6 +11,7 @@ from llama_xla_helpers.generate import Generator
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.parallel import decode_collectives, main, replicate_kv_heads, shard_for_inference
+from llama_xla_helpers.quantize import quantize
 from llama_xla_helpers.sharding import shard_shape
 from test_generate import BUCKETS, LENGTHS, MAX_SEQ_LEN, NEW_TOKENS, VARIANTS, prompts, reference, tiny
 from util import hf_model
@@ -37,8 +38,8 @@ def test_tensor_parallel_greedy_matches_hugging_face(variant):
         ("embed", model.embed_tokens.weight), ("q", attn.q_proj.weight), ("k", attn.k_proj.weight),
         ("o", attn.o_proj.weight), ("up", mlp.up_proj.weight), ("down", mlp.down_proj.weight),
         ("lm_head", model.lm_head.weight), ("cache", attn.kv_cache.k_cache)]}
-    assert shards == {"embed": (33, 128), "q": (16, 128), "k": (16, 128), "o": (128, 16), "up": (44, 128),
-                      "down": (128, 44), "lm_head": (33, 128), "cache": (5, MAX_SEQ_LEN, 1, 16)}
+    assert shards == {"embed": (33, 128), "q": (16, 128), "k": (16, 128), "o": (128, 16), "up": (48, 128),
+                      "down": (128, 48), "lm_head": (33, 128), "cache": (5, MAX_SEQ_LEN, 1, 16)}
 
 
 def test_2d_mesh_splits_batch_and_model():
@@ -47,6 +48,40 @@ def test_2d_mesh_splits_batch_and_model():
     assert shard_shape(model.layers[0].self_attn.kv_cache.k_cache) == (2, MAX_SEQ_LEN, 1, 16)
     tokens, _ = Generator(model, buckets=BUCKETS).generate(prompts()[1:], NEW_TOKENS)
     assert tokens == expected[1:]
+
+
+@pytest.mark.parametrize("scheme, group_size, lm_head, row_groups_split", [
+    ("int8", None, True, None),
+    ("int4", 16, False, True),   # o_proj 8 groups, down_proj 24: split over 8 devices with the inputs
+    ("int4", 32, True, False),   # 4 and 12 groups: not a multiple of 8, replicated
+])
+def test_quantized_tensor_parallel_matches_one_device(scheme, group_size, lm_head, row_groups_split):
+    """Codes, scales and zeros are sharded like the weights they replace; greedy tokens do not change."""
+    hf = hf_model(tiny(**VARIANTS["mha"]))  # 8 KV heads: the 'model' axis of 8 needs no replication
+
+    def quantized():
+        model = Llama.from_hf(hf, max_batch_size=len(LENGTHS), max_seq_len=MAX_SEQ_LEN)
+        return quantize(model, scheme, group_size=group_size or 128, quantize_lm_head=lm_head)
+
+    expected, _ = Generator(quantized(), buckets=BUCKETS).generate(prompts(), NEW_TOKENS)  # unsharded
+    assert all(len(set(row)) > 10 for row in expected), "the quantized model repeats itself"
+    model = shard_for_inference(quantized(), make_mesh((8,), ("model",)))
+    tokens, _ = Generator(model, buckets=BUCKETS).generate(prompts(), NEW_TOKENS)
+    assert tokens == expected
+
+    state = model.state_dict()
+    assert all(t.device.type == "xla" for t in state.values()), "a quantized tensor stayed on the CPU"
+    q, o, down = (model.layers[0].get_submodule(n) for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"))
+    if scheme == "int8":  # codes (out, in) int8, one scale per output
+        assert (shard_shape(q.weight), shard_shape(q.scales)) == ((16, 128), (16,))  # column: split out
+        assert (shard_shape(o.weight), shard_shape(o.scales)) == ((128, 16), (128,))  # row: split in
+        assert shard_shape(model.lm_head.scales) == (33,)
+    else:  # packed codes (out, in // 2) uint8, scales and zeros (out, in // group_size)
+        assert (shard_shape(q.weight), shard_shape(q.zeros)) == ((16, 64), (16, 128 // group_size))
+        assert shard_shape(down.weight) == (128, 384 // 2 // 8)
+        groups = (128 // group_size, 384 // group_size)
+        split = tuple(g // 8 for g in groups) if row_groups_split else groups
+        assert (shard_shape(o.scales)[1], shard_shape(down.zeros)[1]) == split
 
 
 @pytest.fixture(scope="module")

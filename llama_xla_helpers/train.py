@@ -1,0 +1,279 @@
+"""2D-sharded training of the Hugging Face Llama: meta-device init, Adafactor, a step XLA
+compiles once, evaluation, checkpoints and exact resume.
+
+    python -m llama_xla_helpers.train --model tiny --mesh 4,2 --steps 300 --checkpoint-dir ckpt
+
+The same command runs on this CPU mesh and on a TPU VM or pod (every host runs it; only
+process 0 prints and writes shared files).
+"""
+import argparse
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+from torch.utils.data import TensorDataset
+from tqdm import tqdm
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from . import checkpoint
+from .configs import get_config
+from .data import StepSampler, load_corpus, train_val_split
+from .hlo import collectives, compiled_hlo
+from .mesh import make_mesh
+from .metrics import PEAK_FLOPS, count_compiles, mfu
+from .runtime import init_runtime
+from .sharding import shard_activations, shard_params, shard_shape, sharded_loader
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"               # a name from configs.get_config
+    mesh: tuple = (4, 2)              # (data, model) devices
+    strategy: str = "2d"              # "2d" (Tables 1 and 2 of the post) or "fsdp"
+    steps: int = 300                  # total optimizer steps (a resumed run stops here too)
+    batch_size: int = 16              # global batch, split over 'data'
+    seq_len: int = 128
+    lr: float = 1e-2
+    seed: int = 0
+    data: str = None                  # a local UTF-8 text file; default: the embedded corpus
+    init_from: str = None             # a local Hugging Face directory to fine-tune from
+    checkpoint_dir: str = None
+    checkpoint_every: int = 100
+    keep: int = 3                     # checkpoints kept
+    resume: bool = False              # continue from the newest checkpoint in checkpoint_dir
+    eval_every: int = 0               # 0: evaluate once, at the end
+    eval_batches: int = 8
+    gradient_checkpointing: bool = False
+    progress: bool = False            # a tqdm bar with loss and tokens/s (the CLI turns it on)
+
+
+class Adafactor(torch.optim.Optimizer):
+    """Adafactor (Shazeer & Stern, 2018): factored second moments, update clipping, no momentum.
+
+    torch.optim.Adafactor and the Transformers one turn step-dependent values into Python
+    floats (`.item()`, `math.pow(step, ...)`), which XLA bakes into the graph as constants:
+    a new graph every step. Here every such value is a device tensor, so the step compiles
+    once. State is created inside the first step, so its sharding is propagated from the
+    parameters (the post's reason for two graphs: the first step, then every other step).
+    """
+
+    def __init__(self, params, lr=1e-2, eps=(1e-30, 1e-3), clip=1.0, decay_rate=-0.8, scale_parameter=True):
+        super().__init__(params, dict(lr=lr, eps=eps, clip=clip, decay_rate=decay_rate,
+                                      scale_parameter=scale_parameter))
+
+    @staticmethod
+    def _rms(t):
+        return t.square().mean().sqrt()
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            eps1, eps2 = group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad.float(), self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), device=p.device)
+                    if p.dim() >= 2:  # factored: one value per row and per column
+                        state["row"] = torch.zeros(p.shape[:-1], device=p.device)
+                        state["col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], device=p.device)
+                    else:
+                        state["sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                weight = state["step"] ** group["decay_rate"]  # 1 - beta2_t, a tensor
+                sq = g * g + eps1
+                if p.dim() >= 2:
+                    row, col = state["row"], state["col"]
+                    row.lerp_(sq.mean(-1), weight)
+                    col.lerp_(sq.mean(-2), weight)
+                    v = (row / row.mean(-1, keepdim=True)).unsqueeze(-1) * col.unsqueeze(-2)
+                else:
+                    v = state["sq"].lerp_(sq, weight)
+                update = g * v.rsqrt()
+                update = update / (self._rms(update) / group["clip"]).clamp(min=1.0)
+                lr = group["lr"] * (self._rms(p.float()).clamp(min=eps2) if group["scale_parameter"] else 1.0)
+                p.sub_((lr * update).to(p.dtype))
+
+
+def init_weights(config, seed):
+    """`init(name, shape)`: HF Llama's init (normal(0, initializer_range), norms at 1) from a CPU generator."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def init(name, shape):
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        return torch.empty(shape).normal_(0.0, config.initializer_range, generator=gen)
+    return init
+
+
+def build_model(config, mesh, strategy="2d", seed=0, init_from=None):
+    """A sharded LlamaForCausalLM: from `init_from` (a local HF directory) or built on the meta
+    device and materialized one parameter at a time, so the unsharded model never sits in host memory."""
+    if init_from:
+        model = checkpoint.load_hf(init_from)
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffer, computed on the CPU
+    shard_params(model, mesh, strategy, init=init_weights(config, seed))
+    if strategy == "2d":
+        shard_activations(model, mesh)
+    return model
+
+
+def train_step(model, optimizer, ids):
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+@torch.no_grad()
+def evaluate(model, val_ids, mesh, batch_size, batches):
+    """Mean next-token loss (nats per byte) on the first `batches` held-out batches."""
+    model.eval()
+    loader = sharded_loader(TensorDataset(val_ids), batch_size, mesh)
+    losses = [model(input_ids=ids, labels=ids, use_cache=False).loss for (ids,), _ in zip(loader, range(batches))]
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
+def chip_name():
+    """The PEAK_FLOPS key of this device, or None (CPU)."""
+    kinds = {"TPU v4": "tpu-v4", "TPU v5 lite": "tpu-v5e", "TPU v5e": "tpu-v5e", "TPU v5": "tpu-v5p",
+             "TPU v5p": "tpu-v5p", "TPU v6 lite": "tpu-v6e", "TPU v6e": "tpu-v6e"}
+    return kinds.get(xm.xla_device_kind()) if xr.device_type() == "TPU" else None
+
+
+@dataclass
+class TrainResult:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    losses: dict            # step -> training loss
+    val_losses: dict        # step -> held-out loss
+    train_compiles: int     # graphs compiled by the training steps (the post expects 2)
+    tokens_per_sec_per_chip: float
+    mfu: float              # None on CPU: MFU against a CPU has no meaningful peak
+
+
+def _check_resume(meta, cfg):
+    saved = meta["extra"]["train_config"]
+    for key in ("model", "batch_size", "seq_len", "seed", "data"):
+        if saved[key] != getattr(cfg, key):
+            raise ValueError(f"cannot resume: the checkpoint was trained with {key}={saved[key]!r} but this "
+                             f"run has {key}={getattr(cfg, key)!r}; use the same value or a new checkpoint_dir")
+
+
+def train(cfg):
+    """Train as `cfg` says; returns a TrainResult."""
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise ValueError("resume=True needs checkpoint_dir, the folder to resume from")
+    resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
+    if resume_from:
+        _check_resume(checkpoint.read_meta(resume_from), cfg)
+    init_runtime()
+    mesh, config = make_mesh(tuple(cfg.mesh)), get_config(cfg.model)
+    train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
+    model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = Adafactor(model.parameters(), lr=cfg.lr)
+    start = 0
+    if resume_from:
+        checkpoint.init_optimizer_state(optimizer)  # state tensors for load to fill
+        start = checkpoint.load(resume_from, model, optimizer)["step"]
+    sampler = StepSampler(len(train_ids), cfg.batch_size, cfg.seed, start, max(cfg.steps - start, 0))
+    loader = sharded_loader(TensorDataset(train_ids), cfg.batch_size, mesh, sampler=sampler)
+    lead = xr.process_index() == 0
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead))
+    losses, val_losses, timed = {}, {}, []
+    model.train()
+    compiles = count_compiles()
+    for step, (ids,) in enumerate(loader, start + 1):
+        loss = train_step(model, optimizer, ids)
+        xm.add_step_closure(lambda s, l: losses.__setitem__(s, l.item()), args=(step, loss))
+        torch_xla.sync()  # one graph per step; the loss comes back through the closure
+        timed.append(time.perf_counter())
+        bar.update(1)
+        if cfg.progress and len(timed) > 2:
+            tps = cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1])
+            bar.set_postfix(loss=f"{losses.get(step, float('nan')):.3f}", tok_s=f"{tps:,.0f}")
+        if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
+                            extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict()))
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            before = count_compiles()
+            val_losses[step] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
+            compiles += count_compiles() - before  # evaluation graphs are not training graphs
+    xm.wait_device_ops()
+    compiles = count_compiles() - compiles
+    bar.close()
+    val_losses[max(cfg.steps, start)] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
+    tps = (cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1]) / mesh.size()
+           if len(timed) > 2 else float("nan"))  # after the two compiling steps
+    chip = chip_name()
+    return TrainResult(model, optimizer, losses, val_losses, compiles, tps,
+                       mfu(tps, config, cfg.seq_len, PEAK_FLOPS[chip]) if chip else None)
+
+
+def profile_step(cfg):
+    """Bytes per device (parameters, optimizer state) and the collectives of one steady-state
+    training step, read from its compiled HLO (needs init_runtime(hlo_dump_dir=...) and shapes
+    not compiled before in this process)."""
+    init_runtime()
+    mesh, config = make_mesh(tuple(cfg.mesh)), get_config(cfg.model)
+    model = build_model(config, mesh, cfg.strategy, cfg.seed)
+    optimizer = Adafactor(model.parameters(), lr=cfg.lr)
+    train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)
+    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
+    train_step(model, optimizer, ids)  # step 1 creates the optimizer state
+    torch_xla.sync()
+    with compiled_hlo() as modules:
+        train_step(model, optimizer, ids)
+        torch_xla.sync()
+    state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+    nbytes = lambda ts: sum(math.prod(shard_shape(t)) * t.element_size() for t in ts)
+    return dict(param_bytes=nbytes(model.parameters()), optimizer_bytes=nbytes(state),
+                collectives=collectives("".join(modules)))
+
+
+def _parse_args(argv=None):
+    """One --flag per TrainConfig field: --mesh 4,2, --steps 300, --resume, ..."""
+    parser = argparse.ArgumentParser(prog="python -m llama_xla_helpers.train", description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            parser.add_argument(flag, action="store_true", default=f.default)
+        elif f.type is tuple:
+            parser.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",")), default=f.default)
+        else:
+            parser.add_argument(flag, type=f.type if f.type is not str else str, default=f.default)
+    return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def main(argv=None):
+    cfg = dataclasses.replace(_parse_args(argv), progress=True)
+    result = train(cfg)
+    if xr.process_index() != 0:
+        return
+    step, val = max(result.val_losses.items())
+    print(f"step {step}: train loss {result.losses[max(result.losses)]:.3f}, held-out loss {val:.3f} nats/byte; "
+          f"{result.train_compiles} training graphs compiled")
+    print(f"{result.tokens_per_sec_per_chip:,.0f} tokens/s/chip", end="; ")
+    if result.mfu is None:
+        print("MFU not reported: this is not a TPU, and a CPU standing in for one has no meaningful "
+              "peak FLOP/s (its speed says nothing about a TPU's)")
+    else:
+        print(f"MFU {result.mfu:.1%} of {chip_name()} bf16 peak")
+
+
+if __name__ == "__main__":
+    main()

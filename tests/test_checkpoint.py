@@ -1,0 +1,161 @@
+import json
+import os
+
+import pytest
+import torch
+import torch_xla
+from util import hf_model
+
+from llama_xla_helpers import checkpoint
+from llama_xla_helpers.checkpoint import export_hf, init_optimizer_state, latest, load, load_hf, save
+from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.mesh import make_mesh
+from llama_xla_helpers.sharding import shard_activations, shard_params
+
+spec = torch_xla._XLAC._get_xla_sharding_spec
+
+
+@pytest.fixture(scope="module")
+def mesh(runtime):
+    return make_mesh((4, 2))
+
+
+def sharded(mesh, seed=0, **overrides):
+    model = hf_model(get_config("tiny", num_hidden_layers=2, **overrides), seed)
+    shard_params(model, mesh, "2d")
+    return model
+
+
+def train_step(model, optimizer, seed):
+    ids = torch.randint(0, 264, (8, 16), generator=torch.Generator().manual_seed(seed)).to(torch_xla.device())
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    # Materialize the gradients: torch.optim.Adafactor calls .item() once per parameter, and each
+    # would otherwise compile the whole forward + backward again.
+    torch_xla.sync()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch_xla.sync()
+    return loss.item()
+
+
+def tensors(model, optimizer):
+    """Every parameter and optimizer state tensor, by name."""
+    out = dict(model.named_parameters())
+    for i, p in enumerate(model.parameters()):
+        out.update({f"state.{i}.{k}": v for k, v in optimizer.state[p].items()})
+    return out
+
+
+def on_cpu(named):
+    return {n: t.detach().cpu().clone() for n, t in named.items()}
+
+
+def shardings(named):
+    return {n: spec(t) for n, t in named.items() if t.device.type == "xla"}
+
+
+def test_round_trip_restores_model_and_adafactor_state(mesh, tmp_path):
+    model = sharded(mesh)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    for seed in (1, 2):
+        train_step(model, opt, seed)
+    path = save(tmp_path, 2, model, opt, extra=dict(seed=0, position=16))
+    assert path == latest(tmp_path) == tmp_path / "step_00000002"
+    saved = on_cpu(tensors(model, opt))
+
+    fresh = sharded(mesh, seed=1)
+    fresh_opt = torch.optim.Adafactor(fresh.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="init_optimizer_state"):
+        load(tmp_path, fresh, fresh_opt)  # no state yet to load into
+    init_optimizer_state(fresh_opt)
+    before = shardings(tensors(fresh, fresh_opt))
+    meta = load(tmp_path, fresh, fresh_opt)
+
+    assert (meta["step"], meta["extra"]) == (2, dict(seed=0, position=16))
+    loaded = tensors(fresh, fresh_opt)
+    assert loaded.keys() == saved.keys() and len(fresh_opt.state) == len(list(fresh.parameters()))
+    for name, t in on_cpu(loaded).items():
+        assert torch.equal(t, saved[name]), name
+    assert shardings(loaded) == before
+    assert train_step(fresh, fresh_opt, 3) == train_step(model, opt, 3)
+    # The primed state may be laid out differently from the trained one (the compiler picks the
+    # sharding of tensors created inside a step), so the update's float sums may differ in order.
+    for name, t in on_cpu(tensors(fresh, fresh_opt)).items():
+        torch.testing.assert_close(t, tensors(model, opt)[name].detach().cpu(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_load_into_another_config_names_the_tensor_and_changes_nothing(mesh, tmp_path):
+    save(tmp_path, 1, sharded(mesh))
+    other = sharded(mesh, intermediate_size=256)
+    before = on_cpu(dict(other.named_parameters()))
+    with pytest.raises(ValueError, match=r"model\.model\.layers\.0\.mlp\.gate_proj\.weight.*\(384, 128\).*"
+                                         r"\(256, 128\).*different model config"):
+        load(tmp_path, other)
+    for name, t in on_cpu(dict(other.named_parameters())).items():
+        assert torch.equal(t, before[name]), name
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        load(tmp_path, other, torch.optim.Adafactor(other.parameters()))
+
+
+def test_failed_save_keeps_previous_checkpoint(mesh, tmp_path, monkeypatch):
+    model = sharded(mesh)
+    first = save(tmp_path, 1, model)
+    real_save = checkpoint.dcp.save
+
+    def crash(*args, **kwargs):  # every shard written, then killed before meta.json and the rename
+        real_save(*args, **kwargs)
+        raise RuntimeError("killed mid-save")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        save(tmp_path, 2, model)
+    assert latest(tmp_path) == first
+    assert [n for n in os.listdir(tmp_path) if n.startswith("step_")] == ["step_00000001"]
+    assert load(tmp_path, sharded(mesh, seed=1))["step"] == 1
+    monkeypatch.undo()
+    second = save(tmp_path, 2, model)
+    assert latest(tmp_path) == second
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]  # the leftover folder is gone
+
+
+def test_corrupt_or_missing_meta_raises(mesh, tmp_path):
+    model = sharded(mesh)
+    path = save(tmp_path, 1, model)
+    meta_file = path / "meta.json"
+    text = open(meta_file).read()
+    assert json.loads(text)["tensors"]["model.lm_head.weight"] == [264, 128]
+    with open(meta_file, "w") as f:
+        f.write(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"meta\.json is corrupt"):
+        load(tmp_path, model)
+    os.remove(meta_file)
+    assert latest(tmp_path) is None
+    with pytest.raises(ValueError, match=r"meta\.json is missing"):
+        load(path, model)
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        load(tmp_path, model)
+
+
+def test_keep_deletes_all_but_the_newest(mesh, tmp_path):
+    model = sharded(mesh)
+    for step in (10, 20, 30, 40):
+        save(tmp_path, step, model, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000030", "step_00000040"]
+    with pytest.raises(TypeError, match="JSON-able"):
+        save(tmp_path, 50, model, extra=dict(mesh=mesh))
+
+
+def test_export_hf_matches_sharded_logits(mesh, tmp_path):
+    model = sharded(mesh)
+    shard_activations(model, mesh)
+    ids = torch.randint(0, 264, (8, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids.to(torch_xla.device())).logits.cpu()
+    export_hf(model, tmp_path / "hf")
+    hf = load_hf(tmp_path / "hf")
+    assert hf.dtype == torch.float32 and next(hf.parameters()).device.type == "cpu"
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="no config.json"):
+        load_hf(tmp_path)

@@ -1,0 +1,145 @@
+import dataclasses
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import LlamaForCausalLM
+from transformers.optimization import Adafactor as HFAdafactor
+
+from llama_xla_helpers import checkpoint
+from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, train_val_split
+from llama_xla_helpers.train import Adafactor, TrainConfig, _parse_args, init_weights, train, train_step
+
+# Small and quick: 2 steps compile, the rest reuse the graph.
+SMALL = TrainConfig(steps=4, batch_size=8, seq_len=32, eval_batches=2)
+
+
+def cpu_losses(cfg):
+    """The same training, unsharded, in plain PyTorch on the CPU."""
+    config = get_config(cfg.model)
+    model = LlamaForCausalLM(config)
+    init = init_weights(config, cfg.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init(name, tuple(p.shape)))
+    optimizer = Adafactor(model.parameters(), lr=cfg.lr)
+    train_ids, _ = train_val_split(load_corpus(), cfg.seq_len)
+    sampler = StepSampler(len(train_ids), cfg.batch_size, cfg.seed, 0, cfg.steps)
+    loader = DataLoader(TensorDataset(train_ids), batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    return {step: train_step(model, optimizer, ids).item() for step, (ids,) in enumerate(loader, 1)}
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.encode("Grüße, λ!", bos=True, eos=True)
+    assert ids[0] == 256 and ids[-1] == 257 and max(ids[1:-1]) < 256
+    assert tok.decode(ids) == "Grüße, λ!"
+
+
+def test_corpus_split_and_chunks():
+    text = load_corpus()
+    assert len(text) > 400_000 and "def" in text
+    train_ids, val_ids = train_val_split(text, 64)
+    assert train_ids.shape[1] == val_ids.shape[1] == 64
+    assert 8 < len(train_ids) / len(val_ids) < 10  # 90% / 10%
+    assert ByteTokenizer().decode(val_ids[1].tolist()) in text[int(len(text) * 0.9):]
+
+
+def test_step_sampler_resumes_exactly_and_reshuffles():
+    whole = list(StepSampler(20, 4, seed=3, start=0, steps=12))
+    resumed = list(StepSampler(20, 4, seed=3, start=7, steps=5))
+    assert resumed == whole[7 * 4:]
+    assert sorted(whole[:20]) == list(range(20))          # epoch 0 covers every chunk once
+    assert whole[:20] != whole[20:40]                      # epoch 1 is another order
+    with pytest.raises(ValueError, match="3 training chunks cannot fill one batch of 4"):
+        StepSampler(3, 4, seed=0, start=0, steps=1)
+
+
+def test_adafactor_matches_transformers_adafactor():
+    torch.manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(6, 5)), torch.nn.Parameter(torch.randn(5))]
+    theirs_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    ours = Adafactor(ours_p, lr=1e-2)
+    theirs = HFAdafactor(theirs_p, lr=1e-2, relative_step=False, scale_parameter=True, warmup_init=False)
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in ours_p]
+        for p, q, g in zip(ours_p, theirs_p, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    for p, q in zip(ours_p, theirs_p):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_training_compiles_two_graphs_however_many_steps():
+    # A shape no other test uses, so the graphs are compiled here and not taken from the cache.
+    result = train(dataclasses.replace(SMALL, steps=8, seq_len=40))
+    assert result.train_compiles == 2   # step 1 (creates optimizer state) and every later step
+    assert sorted(result.losses) == list(range(1, 9))
+    assert result.mfu is None           # not a TPU
+
+
+def test_same_seed_same_losses():
+    a, b = train(SMALL), train(SMALL)
+    assert a.losses == b.losses and a.val_losses == b.val_losses
+    c = train(dataclasses.replace(SMALL, seed=1))
+    assert c.losses != a.losses
+
+
+@pytest.mark.parametrize("strategy, mesh", [("2d", (4, 2)), ("2d", (2, 4)), ("fsdp", (8, 1))])
+def test_sharded_training_matches_unsharded(strategy, mesh):
+    cfg = dataclasses.replace(SMALL, strategy=strategy, mesh=mesh)
+    want = cpu_losses(cfg)
+    got = train(cfg).losses
+    assert list(got) == list(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=2e-4), step
+    assert want[4] < want[1]  # and it learns
+
+
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
+    run = dataclasses.replace(SMALL, steps=6, checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck"))
+    whole = train(dataclasses.replace(run, checkpoint_dir=str(tmp_path / "whole"))).losses
+    train(dataclasses.replace(run, steps=3))                          # stops after its checkpoint at step 3
+    resumed = train(dataclasses.replace(run, resume=True)).losses
+    assert resumed == {step: whole[step] for step in (4, 5, 6)}      # bit for bit
+    with pytest.raises(ValueError, match="trained with seq_len=32 but this run has seq_len=40"):
+        train(dataclasses.replace(run, seq_len=40, resume=True))
+
+
+def test_sigkill_loses_at_most_the_steps_since_the_last_checkpoint(tmp_path):
+    cmd = [sys.executable, "-m", "llama_xla_helpers.train", "--steps", "30", "--batch-size", "8",
+           "--seq-len", "32", "--eval-batches", "1", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (checkpoint.latest(tmp_path) and checkpoint.latest(tmp_path).name >= "step_00000006"):
+        assert proc.poll() is None and time.time() < deadline, "training ended or stalled before step 6"
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL, possibly in the middle of writing a checkpoint
+    proc.wait()
+    killed_at = checkpoint.latest(tmp_path)
+    assert killed_at.name >= "step_00000006"
+    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "step 30:" in resumed.stdout
+    assert checkpoint.latest(tmp_path).name == "step_00000030"
+
+
+def test_cli_flags_mirror_the_config():
+    cfg = _parse_args(["--mesh", "2,4", "--strategy", "fsdp", "--steps", "7", "--lr", "0.003", "--resume",
+                       "--checkpoint-dir", "ck", "--data", "corpus.txt", "--gradient-checkpointing"])
+    assert cfg == dataclasses.replace(TrainConfig(), mesh=(2, 4), strategy="fsdp", steps=7, lr=0.003, resume=True,
+                                      checkpoint_dir="ck", data="corpus.txt", gradient_checkpointing=True)
+
+
+def test_bad_training_input():
+    with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
+        train(dataclasses.replace(SMALL, resume=True))
+    with pytest.raises(ValueError, match="batch_size 6 is not divisible by the 'data' axis of size 4"):
+        train(dataclasses.replace(SMALL, batch_size=6))
+    with pytest.raises(ValueError, match="unknown config 'llama-1b'"):
+        train(dataclasses.replace(SMALL, model="llama-1b"))
