@@ -179,7 +179,7 @@ def train(cfg):
     resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
     if resume_from:
         _check_resume(checkpoint.read_meta(resume_from), cfg)
-    init_runtime()
+    init_runtime(cpu_devices=math.prod(cfg.mesh))  # on a TPU the mesh must match the chips
     mesh, config = make_mesh(tuple(cfg.mesh)), get_config(cfg.model)
     train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from)
@@ -228,7 +228,7 @@ def profile_step(cfg):
     """Bytes per device (parameters, optimizer state) and the collectives of one steady-state
     training step, read from its compiled HLO (needs init_runtime(hlo_dump_dir=...) and shapes
     not compiled before in this process)."""
-    init_runtime()
+    init_runtime(cpu_devices=math.prod(cfg.mesh))  # on a TPU the mesh must match the chips
     mesh, config = make_mesh(tuple(cfg.mesh)), get_config(cfg.model)
     model = build_model(config, mesh, cfg.strategy, cfg.seed)
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
