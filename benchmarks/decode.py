@@ -15,11 +15,11 @@ import json
 import os
 import time
 
+from llama_xla_helpers import plots  # first: it picks the XLA device before torch_xla loads
 import torch
 import torch_xla
 from transformers import LlamaForCausalLM
 
-from llama_xla_helpers import plots
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.generate import Generator
 from llama_xla_helpers.metrics import count_compiles

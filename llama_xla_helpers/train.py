@@ -11,11 +11,13 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
+import torch_xla.utils.checkpoint
 from torch.utils.data import TensorDataset
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
@@ -183,8 +185,8 @@ def train(cfg):
     mesh, config = make_mesh(tuple(cfg.mesh)), get_config(cfg.model)
     train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if cfg.gradient_checkpointing:  # torch_xla's checkpoint: torch.utils.checkpoint does not know the xla device
+        model._set_gradient_checkpointing(True, partial(torch_xla.utils.checkpoint.checkpoint, use_reentrant=True))
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
     start = 0
     if resume_from:

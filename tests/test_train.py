@@ -129,6 +129,11 @@ def test_sigkill_loses_at_most_the_steps_since_the_last_checkpoint(tmp_path):
     assert checkpoint.latest(tmp_path).name == "step_00000030"
 
 
+def test_gradient_checkpointing_gives_the_same_losses():
+    cfg = dataclasses.replace(SMALL, steps=3)
+    assert train(dataclasses.replace(cfg, gradient_checkpointing=True)).losses == pytest.approx(train(cfg).losses, abs=1e-5)
+
+
 def test_cli_flags_mirror_the_config():
     cfg = _parse_args(["--mesh", "2,4", "--strategy", "fsdp", "--steps", "7", "--lr", "0.003", "--resume",
                        "--checkpoint-dir", "ck", "--data", "corpus.txt", "--gradient-checkpointing"])
