@@ -1,6 +1,6 @@
 """Decode speed, side by side, in one run on one machine (issue: KV-cache decoding).
 
-    python benchmarks/decode.py     # ~10 minutes; writes results/decode.json and results/decode_*.png
+    python benchmarks/decode.py     # ~20 minutes; writes results/decode.json and results/decode_*.png
 
 A ~56M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, MLP 1376, vocab 32000),
 fp32, random weights, 32-token prompts, 256 new tokens, batch 1 / 8 / 32, for:
@@ -10,9 +10,15 @@ fp32, random weights, 32-token prompts, 256 new tokens, batch 1 / 8 / 32, for:
             every step, because every step has a new sequence length)
 and the weight-streaming bound: a decode step must read every weight once, so it cannot be
 faster than weight bytes / memory bandwidth (the bandwidth measured here, in this run).
+
+Each hf-xla batch size runs in a child process (`--naive BATCH`): every step of it compiles new
+graphs, and XLA's CPU backend keeps each compiled program mapped in memory, so one process
+runs out of memory mappings (vm.max_map_count) after a few hundred of them.
 """
 import json
 import os
+import subprocess
+import sys
 import time
 
 from llama_xla_helpers import plots  # first: it picks the XLA device before torch_xla loads
@@ -59,8 +65,21 @@ def hf_generate(model, ids, new):
 
 
 def row(name, batch, new, seconds, compiles=None):
-    return dict(name=name, batch=batch, new_tokens=new, latency_s=seconds, per_token_ms=1e3 * seconds / new,
-                throughput=batch * new / seconds, compiles=compiles)
+    r = dict(name=name, batch=batch, new_tokens=new, latency_s=seconds, per_token_ms=1e3 * seconds / new,
+             throughput=batch * new / seconds, compiles=compiles)
+    print(f"{name:9s} batch {batch:2d}: {r['per_token_ms']:8.2f} ms/token", flush=True)  # progress
+    return r
+
+
+def naive(batch):
+    """Hugging Face generate on the XLA device, out of the box: prints [seconds, compiles]."""
+    init_runtime(cpu_devices=1)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(CONFIG).eval().to(torch_xla.device())
+    before = count_compiles()
+    with torch.no_grad():
+        seconds = hf_generate(hf, prompts(batch, PROMPT).to(torch_xla.device()), NAIVE_NEW)
+    print(json.dumps([seconds, count_compiles() - before]))
 
 
 def main():
@@ -81,14 +100,10 @@ def main():
         with torch.no_grad():
             hf_generate(hf, prompts(batch, PROMPT), 4)                   # warm-up
             rows.append(row("hf-eager", batch, NEW, hf_generate(hf, prompts(batch, PROMPT), NEW)))
-    hf_xla = LlamaForCausalLM(CONFIG).eval()
-    hf_xla.load_state_dict(hf.state_dict())
-    hf_xla.to(torch_xla.device())
-    for batch in BATCHES:
-        before = count_compiles()
-        with torch.no_grad():
-            seconds = hf_generate(hf_xla, prompts(batch, PROMPT).to(torch_xla.device()), NAIVE_NEW)
-        rows.append(row("hf-xla", batch, NAIVE_NEW, seconds, count_compiles() - before))
+    for batch in BATCHES:  # a fresh process each (see the module docstring)
+        child = subprocess.run([sys.executable, __file__, "--naive", str(batch)], check=True,
+                               stdout=subprocess.PIPE, text=True)
+        rows.append(row("hf-xla", batch, NAIVE_NEW, *json.loads(child.stdout.splitlines()[-1])))
 
     long = Generator(Llama.from_hf(hf, max_batch_size=1, max_seq_len=2048), eos_check_interval=10)
     by_length = []
@@ -135,4 +150,4 @@ def report(result):
 
 if __name__ == "__main__":
     os.environ.setdefault("LLAMA_XLA_FIGURES", RESULTS)
-    main()
+    naive(int(sys.argv[2])) if sys.argv[1:2] == ["--naive"] else main()
