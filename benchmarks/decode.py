@@ -12,8 +12,9 @@ and the weight-streaming bound: a decode step must read every weight once, so it
 faster than weight bytes / memory bandwidth (the bandwidth measured here, in this run).
 
 Each hf-xla batch size runs in a child process (`--naive BATCH`): every step of it compiles new
-graphs, and XLA's CPU backend keeps each compiled program mapped in memory, so one process
-runs out of memory mappings (vm.max_map_count) after a few hundred of them.
+graphs, and after a few hundred compilations one process failed ("LLVM compilation error:
+Cannot allocate memory", then a crash) with 23 GB free; XLA's CPU backend keeps every compiled
+program mapped, so the limit is most likely vm.max_map_count (65530 here).
 """
 import json
 import os

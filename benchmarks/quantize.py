@@ -38,6 +38,7 @@ from llama_xla_helpers.data import load_corpus, train_val_split
 from llama_xla_helpers.generate import Generator
 from llama_xla_helpers.model import Llama, ModelArgs
 from llama_xla_helpers.quantize import Int4Linear, Int8Linear, quantize, weight_bytes
+from llama_xla_helpers.runtime import init_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -121,7 +122,6 @@ def decode_latency(model, prompts, batch_sizes, new):
 
 
 def main():
-    from llama_xla_helpers.runtime import init_runtime
     init_runtime(cpu_devices=1)  # one device: on 8 virtual devices an unsharded program runs 8 times
     if not (CHECKPOINT / "config.json").is_file():
         sys.exit(f"{CHECKPOINT} is missing: run notebooks/03 (or python -m llama_xla_helpers.train) first")
