@@ -1,33 +1,52 @@
-# make tour: run every notebook on this machine (the CPU stands in for an 8-device TPU slice)
-# make test: pytest + nbval over the committed notebooks
-# Both create .venv from pyproject.toml on first use.
+# make tour:           run every notebook on this machine (the CPU stands in for a TPU slice)
+# make test:           pytest + nbval over the committed notebooks (8 devices), and every notebook
+#                      executed on 4 devices (a v4-8 / v5e-4 TPU VM's count): asserts, no output comparison
+# make check-variants: what CI leaves out: nbval on another instruction set and on one thread,
+#                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices
+# All create .venv from pyproject.toml on first use.
 PY := .venv/bin/python
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 EXECUTE := $(PY) -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1800
+NBVAL := $(PY) -m pytest -q --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
+	--nbval-cell-timeout=1800
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: test tour notebooks clean
+.PHONY: test tour notebooks check-variants clean
 
 .venv/installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -e '.[dev]'
 	touch $@
 
+# Execute every notebook with N stand-in devices into outputs/devices-N/ (asserts must hold).
+define run_at
+	mkdir -p outputs/devices-$(1)
+	for nb in $(NOTEBOOKS); do echo "$$nb on $(1) devices"; \
+		CPU_NUM_DEVICES=$(1) $(EXECUTE) --log-level=ERROR --output-dir outputs/devices-$(1) $$nb || exit 1; done
+endef
+
 test: .venv/installed
-	$(PY) -m pytest -q tests/
-	$(PY) -m pytest -q --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
-		--nbval-cell-timeout=1800 $(NOTEBOOKS)
+	CPU_NUM_DEVICES=8 $(PY) -m pytest -q tests/
+	CPU_NUM_DEVICES=8 $(NBVAL) $(NOTEBOOKS)
+	$(call run_at,4)
+
+check-variants: .venv/installed
+	for n in 1 4 16; do CPU_NUM_DEVICES=$$n $(PY) -m pytest -q -m devices tests/ || exit 1; done
+	CPU_NUM_DEVICES=8 XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 $(NBVAL) $(NOTEBOOKS)
+	CPU_NUM_DEVICES=8 taskset -c 0 $(NBVAL) $(NOTEBOOKS)
+	$(call run_at,1)
+	$(call run_at,16)
 
 tour: .venv/installed
 	mkdir -p outputs/figures
-	for nb in $(NOTEBOOKS); do \
-		LLAMA_XLA_FIGURES=$(CURDIR)/outputs/figures $(EXECUTE) --output-dir outputs $$nb || exit 1; done
+	for nb in $(NOTEBOOKS); do echo "$$nb"; \
+		LLAMA_XLA_FIGURES=$(CURDIR)/outputs/figures $(EXECUTE) --log-level=ERROR --output-dir outputs $$nb || exit 1; done
 	@echo "executed notebooks: $(CURDIR)/outputs/*.ipynb"
 	@echo "figures:            $(CURDIR)/outputs/figures/*.png"
 
-# For authors: re-execute the committed notebooks in place (outputs are what nbval compares).
+# For authors: re-execute the committed notebooks in place (outputs are what nbval compares), at 8 devices.
 notebooks: .venv/installed
-	for nb in $(NOTEBOOKS); do $(EXECUTE) --inplace $$nb || exit 1; done
+	for nb in $(NOTEBOOKS); do echo "$$nb"; CPU_NUM_DEVICES=8 $(EXECUTE) --log-level=ERROR --inplace $$nb || exit 1; done
 
 clean:
 	rm -rf outputs

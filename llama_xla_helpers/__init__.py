@@ -5,10 +5,11 @@ XLA device: the runtime reads its device settings once, when it starts.
 """
 import os
 
-from .runtime import default_pjrt_device
+from .runtime import select_device
 
-# Choose the device before torch_xla is imported (it would guess, and warn, on import).
-os.environ.setdefault("PJRT_DEVICE", default_pjrt_device())
+# On a machine without TPU chips, choose the CPU before torch_xla is imported (it would
+# guess, and warn, on import). On a TPU VM torch_xla's own detection picks the TPU.
+select_device()
 # XLA's C++ logging (e.g. the GSPMD deprecation line) goes to stderr with a timestamp;
 # quiet it before torch_xla is loaded. An explicit setting from the user wins.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

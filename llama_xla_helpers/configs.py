@@ -14,6 +14,9 @@ from transformers import LlamaConfig, PretrainedConfig
 # The published hyper-parameters (Meta's params.json / the Hugging Face config.json of each
 # release). Fields not listed keep LlamaConfig's defaults, which are Llama 1/2's:
 # bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, no biases.
+# Transformers 5 keeps RoPE's base (theta) and any long-context scaling in `rope_parameters`.
+ROPE_10K = dict(rope_type="default", rope_theta=10000.0)
+
 CONFIGS = {
     # Byte-level model for CPU runs: 256 byte ids + BOS (256) + EOS (257), padded to 264 so
     # every mesh axis up to 8 divides the vocabulary; MLP width 384 so int4 groups of 32, 64
@@ -21,24 +24,24 @@ CONFIGS = {
     "tiny": dict(
         vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters=ROPE_10K, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=256, eos_token_id=257, pad_token_id=None,
     ),
     # LLaMA 1 (Touvron et al. 2023, Table 2).
     "llama-7b": dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-6,
+        rope_parameters=ROPE_10K, rms_norm_eps=1e-6,
     ),
     "llama-33b": dict(
         vocab_size=32000, hidden_size=6656, intermediate_size=17920, num_hidden_layers=60,
         num_attention_heads=52, num_key_value_heads=52, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-6,
+        rope_parameters=ROPE_10K, rms_norm_eps=1e-6,
     ),
     "llama-65b": dict(
         vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=64, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-6,
+        rope_parameters=ROPE_10K, rms_norm_eps=1e-6,
     ),
     # OPT-175B's dims (d=12288, 96 layers, 96 heads) on the LLaMA code, as in the LLaMA 65B
     # latency post (seeds/002, Table 1). LLaMA sizes its SwiGLU MLP as 8d/3 rounded up to a
@@ -46,47 +49,49 @@ CONFIGS = {
     "llama-175b": dict(
         vocab_size=32000, hidden_size=12288, intermediate_size=32768, num_hidden_layers=96,
         num_attention_heads=96, num_key_value_heads=96, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-6,
+        rope_parameters=ROPE_10K, rms_norm_eps=1e-6,
     ),
     # Llama 2 (Touvron et al. 2023b): 4k context; 70B uses grouped-query attention.
     "llama2-7b": dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-        rope_theta=10000.0, rms_norm_eps=1e-5,
+        rope_parameters=ROPE_10K, rms_norm_eps=1e-5,
     ),
     "llama2-13b": dict(
         vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
         num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
-        rope_theta=10000.0, rms_norm_eps=1e-5,
+        rope_parameters=ROPE_10K, rms_norm_eps=1e-5,
     ),
     "llama2-70b": dict(
         vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
-        rope_theta=10000.0, rms_norm_eps=1e-5,
+        rope_parameters=ROPE_10K, rms_norm_eps=1e-5,
     ),
     # Llama 3 / 3.1: 128k tiktoken vocabulary, GQA with 8 KV heads, rope_theta 500000.
     "llama3-8b": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-        rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
     ),
     "llama3.1-70b": dict(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
-        rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=8192,
         ),
     ),
 }
 
 # Valid overrides: every keyword LlamaConfig / PretrainedConfig take by name, plus the
-# attention backend (a keyword PretrainedConfig pops from **kwargs).
+# attention backend (a keyword PretrainedConfig pops from **kwargs), plus Transformers 4's
+# rope_theta / rope_scaling, which get_config folds into rope_parameters.
 CONFIG_FIELDS = (
     set(inspect.signature(LlamaConfig.__init__).parameters)
     | set(inspect.signature(PretrainedConfig.__init__).parameters)
-    | {"attn_implementation"}
+    | {"attn_implementation", "rope_theta", "rope_scaling"}
 ) - {"self", "kwargs"}
 
 
@@ -100,4 +105,11 @@ def get_config(name, **overrides):
             f"unknown LlamaConfig field(s) {', '.join(map(repr, unknown))} in overrides for "
             f"{name!r}; valid fields include hidden_size, num_hidden_layers, num_key_value_heads"
         )
-    return LlamaConfig(**{**copy.deepcopy(CONFIGS[name]), **overrides})
+    fields = {**copy.deepcopy(CONFIGS[name]), **overrides}
+    if {"rope_theta", "rope_scaling"} & set(overrides):  # Transformers 4 names, folded into rope_parameters
+        rope = dict(fields.pop("rope_parameters"))
+        if "rope_scaling" in overrides:
+            rope = dict(fields.pop("rope_scaling") or {"rope_type": "default"}, rope_theta=rope["rope_theta"])
+        rope["rope_theta"] = fields.pop("rope_theta", rope["rope_theta"])
+        fields["rope_parameters"] = rope
+    return LlamaConfig(**fields)

@@ -40,6 +40,24 @@ def hybrid_device_ids(ici_shape, dcn_shape):
     return ids.transpose(order).reshape([d * i for d, i in zip(dcn_shape, ici_shape)])
 
 
+def mesh_shape(num_devices=None, config=None):
+    """A (data, model) shape for `num_devices` (default: every device of the job) and a model.
+
+    'model' is the widest axis no wider than 'data' (m * m <= n) that splits the model's
+    attention and KV heads, MLP width and vocabulary evenly, with hidden_size split over
+    'data' (Table 1); without a config, the widest such axis. 1 -> (1, 1), 4 -> (2, 2),
+    8 -> (4, 2), 16 -> (4, 4) for the tiny model.
+    """
+    n = num_devices or xr.global_runtime_device_count()
+    on_model = () if config is None else (config.num_attention_heads, config.num_key_value_heads,
+                                          config.intermediate_size, config.vocab_size)
+    on_data = () if config is None else (config.hidden_size,)
+    fits = [m for m in range(1, n + 1) if n % m == 0 and m * m <= n
+            and all(s % m == 0 for s in on_model) and all(s % (n // m) == 0 for s in on_data)]
+    model = max(fits, default=1)
+    return (n // model, model)
+
+
 def make_mesh(shape=None, axis_names=("data", "model"), dcn_shape=None):
     """A `Mesh` over every device of the job.
 

@@ -73,10 +73,23 @@ class ModelArgs:
             dim=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
             n_kv_heads=config.num_key_value_heads, head_dim=getattr(config, "head_dim", None),
             vocab_size=config.vocab_size, intermediate_size=config.intermediate_size,
-            norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta, rope_scaling=config.rope_scaling,
+            norm_eps=config.rms_norm_eps, **rope_args(config),
             max_batch_size=max_batch_size, max_seq_len=max_seq_len,
             tie_word_embeddings=config.tie_word_embeddings,
         )
+
+
+def rope_args(config):
+    """rope_theta and rope_scaling of a LlamaConfig. Transformers 5 keeps both in
+    `config.rope_parameters` ({"rope_type": "default" | "llama3", "rope_theta": ..., factors});
+    Transformers 4 had `config.rope_theta` and `config.rope_scaling`."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:  # Transformers 4
+        params = dict(config.rope_scaling or {}, rope_theta=config.rope_theta)
+    theta = params.pop("rope_theta")
+    if params.get("rope_type", params.get("type", "default")) == "default":
+        return dict(rope_theta=theta, rope_scaling=None)
+    return dict(rope_theta=theta, rope_scaling=params)
 
 
 def check_rope_scaling(scaling):
@@ -279,10 +292,10 @@ class Llama(nn.Module):
             raise ValueError(f"pad has shape {tuple(pad.shape)}, expected ({bsz},)")
 
     @classmethod
-    def from_hf(cls, hf_model, max_batch_size, max_seq_len):
-        """A copy of a `transformers.LlamaForCausalLM` (same weights, dtype and device)."""
+    def from_hf(cls, hf_model, max_batch_size, max_seq_len, dtype=None):
+        """A copy of a `transformers.LlamaForCausalLM` (same weights and device; its dtype unless `dtype`)."""
         args = ModelArgs.from_hf_config(hf_model.config, max_batch_size, max_seq_len)
-        state = {name: t.detach().clone() for name, t in hf_model.state_dict().items()}
+        state = {name: t.detach().to(dtype, copy=True) for name, t in hf_model.state_dict().items()}
         return cls.from_state_dict(args, state)
 
     @classmethod

@@ -32,8 +32,11 @@ def table(rows, columns=None):
     return "\n".join(lines)
 
 
-def plot_mesh(mesh, name="mesh"):
-    """A 1D or 2D mesh as a grid of device ids, axes labelled with the mesh axis names."""
+def plot_mesh(mesh, name="mesh", slices=1):
+    """A 1D or 2D mesh as a grid of device ids, axes labelled with the mesh axis names.
+
+    slices > 1 (a hybrid mesh whose first axis crosses the DCN): each slice's rows are framed
+    and labelled, so the slice boundary shows."""
     grid = mesh.get_logical_mesh()
     grid = grid.reshape(1, -1) if grid.ndim == 1 else grid.reshape(grid.shape[0], -1)
     names = mesh.axis_names if len(mesh.axis_names) == 2 else ("", mesh.axis_names[0])
@@ -45,7 +48,13 @@ def plot_mesh(mesh, name="mesh"):
     ax.set_xticks([]), ax.set_yticks([])
     ax.set_ylabel(f"{names[0]} ({grid.shape[0]})" if names[0] else "")
     ax.set_xlabel(f"{names[1]} ({grid.shape[1]})")
-    ax.set_title(f"mesh {tuple(mesh.mesh_shape)}")
+    ax.set_title(f"mesh {tuple(mesh.mesh_shape)}" + (f", {slices} slices" if slices > 1 else ""))
+    rows = grid.shape[0] // slices
+    for s in range(slices if slices > 1 else 0):  # one frame per slice around its ICI block
+        ax.add_patch(Rectangle((-0.45, s * rows - 0.45), grid.shape[1] - 0.1, rows - 0.1, fill=False, lw=2.5))
+        ax.text(grid.shape[1] - 0.4, s * rows + (rows - 1) / 2, f" slice {s}", va="center", fontsize=11)
+    if slices > 1:
+        ax.set_xlim(-0.5, grid.shape[1] + 0.8)
     return _finish(fig, name)
 
 

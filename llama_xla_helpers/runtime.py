@@ -2,11 +2,22 @@
 
 The XLA runtime reads PJRT_DEVICE and CPU_NUM_DEVICES once, when it starts (at the first
 device query or tensor), so `init_runtime()` must run before any of that.
+
+    info = init_runtime()   # XLA runtime: TPU, 4 devices, 1 process, chip tpu-v5e
+    chip()                  # "tpu-v5e": a key of metrics.PEAK_FLOPS, or None on a CPU
 """
+import functools
 import glob
-import importlib.util
 import os
+import urllib.request
 from dataclasses import dataclass
+
+DEFAULT_CPU_DEVICES = 8
+# The TPU type as a TPU VM names it (ACCELERATOR_TYPE=v5litepod-8) or GKE does
+# (TPU_ACCELERATOR_TYPE=tpu-v5-lite-podslice): prefix -> metrics.PEAK_FLOPS key, first match wins.
+CHIP_PREFIXES = (("v5litepod", "tpu-v5e"), ("v5-lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
+                 ("v5p", "tpu-v5p"), ("v6e", "tpu-v6e"), ("v4", "tpu-v4"))
+METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/accelerator-type"
 
 
 @dataclass(frozen=True)
@@ -15,38 +26,95 @@ class RuntimeInfo:
     num_devices: int    # devices in the whole job (all hosts)
     process_index: int  # this host's index; 0 writes shared files
     process_count: int  # hosts in the job
+    chip: str = None    # a metrics.PEAK_FLOPS key ("tpu-v4", ...) or None (CPU, unknown TPU)
+
+    def __str__(self):
+        hosts = f"{self.process_count} process{'es' * (self.process_count > 1)}"
+        return f"XLA runtime: {self.device_kind}, {self.num_devices} devices, {hosts}, chip {self.chip}"
 
 
-def default_pjrt_device():
-    """TPU if libtpu is installed and a chip is attached (v4: /dev/accel*, v5e on: /dev/vfio), else CPU."""
-    chips = glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
-    return "TPU" if importlib.util.find_spec("libtpu") is not None and chips else "CPU"
+def tpu_chips_present():
+    """True if this machine has TPU chips attached (v2-v4: /dev/accel*, v5e and later: /dev/vfio/N)."""
+    return bool(glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"))
 
 
-def init_runtime(cpu_devices=8, hlo_dump_dir=None):
-    """Start the XLA runtime in SPMD mode and return what it got.
+def select_device():
+    """Set PJRT_DEVICE=CPU on a machine without TPU chips, unless it is set already.
 
-    On a TPU VM (libtpu installed, chips attached) this uses the TPU and ignores
-    `cpu_devices`; elsewhere it makes `cpu_devices` virtual CPU devices. Safe to call twice.
+    With chips, nothing is set: torch_xla's own detection picks the TPU (and `init_runtime`
+    refuses a CPU there). Without chips this only saves torch_xla's "Defaulting to CPU" warning.
+    """
+    if not tpu_chips_present():
+        os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+def init_runtime(cpu_devices=None, hlo_dump_dir=None):
+    """Start the XLA runtime in SPMD mode, print what it got (process 0, first call) and return it.
+
+    On a TPU VM this uses the TPU and ignores `cpu_devices`. On a CPU it makes `cpu_devices`
+    virtual devices: the argument, else the CPU_NUM_DEVICES variable, else 8. Safe to call
+    twice; a different explicit `cpu_devices` once the runtime runs is an error.
     `hlo_dump_dir` makes XLA write every compiled module there as text (see `hlo.py`).
     """
     if hlo_dump_dir:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_dump_to={hlo_dump_dir} --xla_dump_hlo_as_text").strip()
-    os.environ.setdefault("PJRT_DEVICE", default_pjrt_device())
+    select_device()
     import torch_xla
     import torch_xla.runtime as xr
 
-    on_cpu = xr.device_type() == "CPU"
-    if on_cpu and not torch_xla._XLAC._xla_runtime_is_initialized():
-        os.environ["CPU_NUM_DEVICES"] = str(cpu_devices)
+    started = torch_xla._XLAC._xla_runtime_is_initialized()
+    user_choice = os.environ.get("PJRT_DEVICE")
+    kind = xr.device_type()  # torch_xla's detection, unless PJRT_DEVICE is set
+    if kind != "TPU" and tpu_chips_present():
+        why = (f"PJRT_DEVICE={user_choice} is set; unset it" if user_choice else
+               "libtpu is missing; pip install 'torch_xla[tpu]==2.9.0'")
+        raise RuntimeError(f"this machine has TPU chips but the XLA runtime chose {kind}: {why}, then restart "
+                           f"the process. (A chip held by another process also fails: check `tpu-info`.)")
+    want = int(cpu_devices or os.environ.get("CPU_NUM_DEVICES") or DEFAULT_CPU_DEVICES)
+    if kind == "CPU" and not started:
+        os.environ["CPU_NUM_DEVICES"] = str(want)
     if not xr.is_spmd():
         xr.use_spmd()
-    info = RuntimeInfo(xr.device_type(), xr.global_runtime_device_count(),
-                       xr.process_index(), xr.process_count())
-    if on_cpu and info.num_devices != cpu_devices:
+    info = RuntimeInfo(kind, xr.global_runtime_device_count(), xr.process_index(), xr.process_count(), chip())
+    if kind == "CPU" and cpu_devices is not None and info.num_devices != cpu_devices:
         raise RuntimeError(
             f"the XLA runtime already started with {info.num_devices} CPU devices, so it cannot "
             f"give cpu_devices={cpu_devices}; restart the process (or kernel) and call "
             f"init_runtime({cpu_devices}) before any XLA tensor or device query")
+    if not started and info.process_index == 0:
+        print(info)
     return info
+
+
+def chip():
+    """The `metrics.PEAK_FLOPS` key of this TPU ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"), or None.
+
+    None on a CPU, and on a TPU type without a key. It reads the TPU type (`accelerator_type`),
+    never the device kind: `xm.xla_device_kind()` fails once SPMD is on (pytorch/xla issue 9535).
+    """
+    import torch_xla.runtime as xr
+
+    if xr.device_type() != "TPU":
+        return None
+    name = (accelerator_type() or "").lower().removeprefix("tpu-")
+    return next((key for prefix, key in CHIP_PREFIXES if name.startswith(prefix)), None)
+
+
+def accelerator_type():
+    """The TPU type, e.g. "v5litepod-8": ACCELERATOR_TYPE (TPU VM), TPU_ACCELERATOR_TYPE (GKE),
+    else the TPU VM metadata server (1 s timeout); None if none answers."""
+    for var in ("ACCELERATOR_TYPE", "TPU_ACCELERATOR_TYPE"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return _metadata_accelerator_type()
+
+
+@functools.cache
+def _metadata_accelerator_type():
+    request = urllib.request.Request(METADATA_URL, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=1) as response:
+            return response.read().decode().strip()
+    except OSError:  # not on a Cloud TPU VM, or no metadata server
+        return None

@@ -1,14 +1,16 @@
 """2D-sharded training of the Hugging Face Llama: meta-device init, Adafactor, a step XLA
 compiles once, evaluation, checkpoints and exact resume.
 
-    python -m llama_xla_helpers.train --model tiny --mesh 4,2 --steps 300 --checkpoint-dir ckpt
+    python -m llama_xla_helpers.train --model tiny --steps 300 --checkpoint-dir ckpt
 
 The same command runs on this CPU mesh and on a TPU VM or pod (every host runs it; only
-process 0 prints and writes shared files).
+process 0 prints and writes shared files). The mesh defaults to `mesh.mesh_shape` for the
+devices there are; `--mesh 4,2` fixes it, `--slices 2` spans 2 slices of a multi-slice pod.
 """
 import argparse
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -27,16 +29,18 @@ from . import checkpoint
 from .configs import get_config
 from .data import StepSampler, load_corpus, train_val_split
 from .hlo import collectives, compiled_hlo
-from .mesh import make_mesh
+from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
-from .runtime import init_runtime
+from .runtime import chip, init_runtime
 from .sharding import shard_activations, shard_params, shard_shape, sharded_loader
 
 
 @dataclass
 class TrainConfig:
     model: str = "tiny"               # a name from configs.get_config
-    mesh: tuple = (4, 2)              # (data, model) devices
+    mesh: tuple = None                # (data, model) devices per slice; None: mesh.mesh_shape's pick
+    slices: int = 1                   # multi-slice pod: slices joined over the DCN, on the batch axis
+    dtype: str = None                 # "bf16" or "fp32" parameters; None: bf16 on a TPU, fp32 on a CPU
     strategy: str = "2d"              # "2d" (Tables 1 and 2 of the post) or "fsdp"
     steps: int = 300                  # total optimizer steps (a resumed run stops here too)
     batch_size: int = 16              # global batch, split over 'data'
@@ -51,6 +55,7 @@ class TrainConfig:
     resume: bool = False              # continue from the newest checkpoint in checkpoint_dir
     eval_every: int = 0               # 0: evaluate once, at the end
     eval_batches: int = 8
+    log_every: int = 10               # read losses back to the host every this many steps
     gradient_checkpointing: bool = False
     progress: bool = False            # a tqdm bar with loss and tokens/s (the CLI turns it on)
 
@@ -104,34 +109,50 @@ class Adafactor(torch.optim.Optimizer):
                 p.sub_((lr * update).to(p.dtype))
 
 
-def init_weights(config, seed):
-    """`init(name, shape)`: HF Llama's init (normal(0, initializer_range), norms at 1) from a CPU generator."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def init_weights(config, seed, dtype=torch.float32):
+    """`init(name, shape)`: HF Llama's init (normal(0, initializer_range), norms at 1) from a CPU
+    generator, drawn in fp32 (the same numbers whatever the dtype), then cast to `dtype`."""
     gen = torch.Generator().manual_seed(seed)
 
     def init(name, shape):
         if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        return torch.empty(shape).normal_(0.0, config.initializer_range, generator=gen)
+            return torch.ones(shape, dtype=dtype)
+        return torch.empty(shape).normal_(0.0, config.initializer_range, generator=gen).to(dtype)
     return init
 
 
-def build_model(config, mesh, strategy="2d", seed=0, init_from=None):
+def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch.float32):
     """A sharded LlamaForCausalLM: from `init_from` (a local HF directory) or built on the meta
-    device and materialized one parameter at a time, so the unsharded model never sits in host memory."""
+    device and materialized one parameter at a time, so the unsharded model never sits in host memory.
+
+    dtype: of the parameters (bf16 on a TPU). Norms, softmax, the loss and Adafactor's state and
+    update are computed in fp32 whatever it is."""
     if init_from:
         model = checkpoint.load_hf(init_from)
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
         model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffer, computed on the CPU
-    shard_params(model, mesh, strategy, init=init_weights(config, seed))
+    if init_from:
+        model.to(dtype)
+    shard_params(model, mesh, strategy, init=init_weights(config, seed, dtype))
     if strategy == "2d":
         shard_activations(model, mesh)
     return model
 
 
+def forward_loss(model, ids):
+    """Mean next-token loss of ids (bsz, seqlen). The explicit all-ones attention_mask keeps
+    Transformers 5 from reading position ids back to the host (its packed-sequence check),
+    which would cut the step's graph in two and stall the host every step."""
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss
+
+
 def train_step(model, optimizer, ids):
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss = forward_loss(model, ids)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -143,16 +164,9 @@ def evaluate(model, val_ids, mesh, batch_size, batches):
     """Mean next-token loss (nats per byte) on the first `batches` held-out batches."""
     model.eval()
     loader = sharded_loader(TensorDataset(val_ids), batch_size, mesh)
-    losses = [model(input_ids=ids, labels=ids, use_cache=False).loss for (ids,), _ in zip(loader, range(batches))]
+    losses = [forward_loss(model, ids) for (ids,), _ in zip(loader, range(batches))]
     model.train()
     return torch.stack(losses).mean().item()
-
-
-def chip_name():
-    """The PEAK_FLOPS key of this device, or None (CPU)."""
-    kinds = {"TPU v4": "tpu-v4", "TPU v5 lite": "tpu-v5e", "TPU v5e": "tpu-v5e", "TPU v5": "tpu-v5p",
-             "TPU v5p": "tpu-v5p", "TPU v6 lite": "tpu-v6e", "TPU v6e": "tpu-v6e"}
-    return kinds.get(xm.xla_device_kind()) if xr.device_type() == "TPU" else None
 
 
 @dataclass
@@ -168,23 +182,43 @@ class TrainResult:
 
 def _check_resume(meta, cfg):
     saved = meta["extra"]["train_config"]
-    for key in ("model", "batch_size", "seq_len", "seed", "data"):
-        if saved[key] != getattr(cfg, key):
+    for key in ("model", "batch_size", "seq_len", "seed", "data", "dtype"):
+        if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):  # older checkpoints lack dtype
             raise ValueError(f"cannot resume: the checkpoint was trained with {key}={saved[key]!r} but this "
                              f"run has {key}={getattr(cfg, key)!r}; use the same value or a new checkpoint_dir")
+
+
+def setup(cfg):
+    """Start the runtime; returns (cfg with dtype and mesh filled in, mesh, LlamaConfig)."""
+    slices = cfg.slices
+    if not isinstance(slices, int) or slices < 1:
+        raise ValueError(f"slices={slices!r} must be an int >= 1 (the number of slices of a multi-slice pod)")
+    if not isinstance(cfg.log_every, int) or cfg.log_every < 1:
+        raise ValueError(f"log_every={cfg.log_every!r} must be an int >= 1 (steps between loss reads)")
+    # On a CPU an explicit mesh sizes the stand-in; on a TPU the mesh must match the chips (make_mesh checks).
+    init_runtime(cpu_devices=math.prod(cfg.mesh) * slices if cfg.mesh else None)
+    config = get_config(cfg.model)
+    shape = tuple(cfg.mesh) if cfg.mesh else mesh_shape(xr.global_runtime_device_count() // slices, config)
+    dtype = cfg.dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    if slices == 1:
+        mesh = make_mesh(shape)
+    else:  # the batch crosses slices over the DCN; weights stay sharded inside each slice
+        mesh = make_mesh((1,) + shape, ("dcn", "data", "model"), dcn_shape=(slices, 1, 1))
+    return dataclasses.replace(cfg, mesh=shape, dtype=dtype), mesh, config
 
 
 def train(cfg):
     """Train as `cfg` says; returns a TrainResult."""
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("resume=True needs checkpoint_dir, the folder to resume from")
+    cfg, mesh, config = setup(cfg)
     resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
     if resume_from:
         _check_resume(checkpoint.read_meta(resume_from), cfg)
-    init_runtime(cpu_devices=math.prod(cfg.mesh))  # on a TPU the mesh must match the chips
-    mesh, config = make_mesh(tuple(cfg.mesh)), get_config(cfg.model)
     train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
-    model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from)
+    model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
     if cfg.gradient_checkpointing:  # torch_xla's checkpoint: torch.utils.checkpoint does not know the xla device
         model._set_gradient_checkpointing(True, partial(torch_xla.utils.checkpoint.checkpoint, use_reentrant=True))
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
@@ -196,18 +230,20 @@ def train(cfg):
     loader = sharded_loader(TensorDataset(train_ids), cfg.batch_size, mesh, sampler=sampler)
     lead = xr.process_index() == 0
     bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead))
-    losses, val_losses, timed = {}, {}, []
+    losses, pending, val_losses, timed = {}, [], {}, []
     model.train()
     compiles = count_compiles()
     for step, (ids,) in enumerate(loader, start + 1):
-        loss = train_step(model, optimizer, ids)
-        xm.add_step_closure(lambda s, l: losses.__setitem__(s, l.item()), args=(step, loss))
-        torch_xla.sync()  # one graph per step; the loss comes back through the closure
+        pending.append((step, train_step(model, optimizer, ids)))
+        torch_xla.sync()  # one graph per step, dispatched: the device runs it while the host goes on
         timed.append(time.perf_counter())
         bar.update(1)
-        if cfg.progress and len(timed) > 2:
-            tps = cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1])
-            bar.set_postfix(loss=f"{losses.get(step, float('nan')):.3f}", tok_s=f"{tps:,.0f}")
+        if step % cfg.log_every == 0:  # read every loss but this step's: the device is already past them
+            read_losses(pending[:-1], losses)
+            pending = pending[-1:]
+            if cfg.progress and len(timed) > 2:
+                tps = cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1])
+                bar.set_postfix(loss=f"{losses[step - 1]:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
             checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
                             extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict()))
@@ -216,23 +252,30 @@ def train(cfg):
             val_losses[step] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
             compiles += count_compiles() - before  # evaluation graphs are not training graphs
     xm.wait_device_ops()
+    done = time.perf_counter()
+    read_losses(pending, losses)
     compiles = count_compiles() - compiles
     bar.close()
     val_losses[max(cfg.steps, start)] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
-    tps = (cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1]) / mesh.size()
+    tps = (cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (done - timed[1]) / mesh.size()
            if len(timed) > 2 else float("nan"))  # after the two compiling steps
-    chip = chip_name()
+    peak = PEAK_FLOPS.get(chip())
     return TrainResult(model, optimizer, losses, val_losses, compiles, tps,
-                       mfu(tps, config, cfg.seq_len, PEAK_FLOPS[chip]) if chip else None)
+                       mfu(tps, config, cfg.seq_len, peak) if peak and tps == tps else None)
+
+
+def read_losses(pending, losses):
+    """Copy the (step, device loss) pairs to the host dict `losses` (one wait, then small copies)."""
+    for step, loss in pending:
+        losses[step] = loss.item()
 
 
 def profile_step(cfg):
     """Bytes per device (parameters, optimizer state) and the collectives of one steady-state
     training step, read from its compiled HLO (needs init_runtime(hlo_dump_dir=...) and shapes
     not compiled before in this process)."""
-    init_runtime(cpu_devices=math.prod(cfg.mesh))  # on a TPU the mesh must match the chips
-    mesh, config = make_mesh(tuple(cfg.mesh)), get_config(cfg.model)
-    model = build_model(config, mesh, cfg.strategy, cfg.seed)
+    cfg, mesh, config = setup(cfg)
+    model = build_model(config, mesh, cfg.strategy, cfg.seed, dtype=DTYPES[cfg.dtype])
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
     train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)
     [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
@@ -263,7 +306,11 @@ def _parse_args(argv=None):
 
 def main(argv=None):
     cfg = dataclasses.replace(_parse_args(argv), progress=True)
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except ValueError as e:  # bad input, found before any work: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if xr.process_index() != 0:
         return
     step, val = max(result.val_losses.items())
@@ -274,7 +321,7 @@ def main(argv=None):
         print("MFU not reported: this is not a TPU, and a CPU standing in for one has no meaningful "
               "peak FLOP/s (its speed says nothing about a TPU's)")
     else:
-        print(f"MFU {result.mfu:.1%} of {chip_name()} bf16 peak")
+        print(f"MFU {result.mfu:.1%} of {chip()} bf16 peak")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@ import pytest
 from transformers import LlamaConfig
 
 from llama_xla_helpers.configs import CONFIGS, get_config
+from llama_xla_helpers.model import rope_args
 
 NAMES = ["tiny", "llama-7b", "llama-33b", "llama-65b", "llama-175b", "llama2-7b",
          "llama2-13b", "llama2-70b", "llama3-8b", "llama3.1-70b"]
@@ -25,12 +26,13 @@ def test_tiny_exact():
     expected = dict(
         vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=256, eos_token_id=257, pad_token_id=None,
     )
     assert {k: getattr(cfg, k) for k in expected} == expected
     assert cfg.vocab_size % 8 == 0 and cfg.vocab_size >= 258  # bytes + BOS + EOS
-    assert cfg.rope_scaling is None
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    assert rope_args(cfg) == dict(rope_theta=10000.0, rope_scaling=None)
 
 
 def test_llama_7b_dims():
@@ -38,7 +40,8 @@ def test_llama_7b_dims():
         cfg = get_config(name)
         assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (32000, 4096, 11008)
         assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (32, 32, 32)
-        assert (cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.rope_theta) == (max_pos, eps, 10000.0)
+        assert (cfg.max_position_embeddings, cfg.rms_norm_eps) == (max_pos, eps)
+        assert rope_args(cfg)["rope_theta"] == 10000.0
         assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
 
 
@@ -64,18 +67,18 @@ def test_llama2_70b_gqa():
 def test_llama3_vocab_and_theta():
     for name in ["llama3-8b", "llama3.1-70b"]:
         cfg = get_config(name)
-        assert (cfg.vocab_size, cfg.rope_theta, cfg.num_key_value_heads) == (128256, 500000.0, 8)
+        assert (cfg.vocab_size, rope_args(cfg)["rope_theta"], cfg.num_key_value_heads) == (128256, 500000.0, 8)
         assert (cfg.bos_token_id, cfg.eos_token_id) == (128000, 128001)
     assert get_config("llama3-8b").intermediate_size == 14336
-    assert get_config("llama3-8b").rope_scaling is None
+    assert rope_args(get_config("llama3-8b"))["rope_scaling"] is None
 
 
 def test_llama31_rope_scaling():
     cfg = get_config("llama3.1-70b")
-    assert cfg.rope_scaling == {
+    assert rope_args(cfg) == dict(rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-    }
+    })
     assert cfg.max_position_embeddings == 131072
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (8192, 80, 64)
 
@@ -86,13 +89,14 @@ def test_overrides():
     assert cfg.hidden_size == 128  # the rest untouched
     assert get_config("tiny").num_key_value_heads == 4  # the table is not mutated
     assert get_config("tiny", hidden_size=256).head_dim == 32  # derived fields follow
-    cfg = get_config("llama3.1-70b", rope_scaling=None, num_hidden_layers=2)
-    assert cfg.rope_scaling is None and cfg.num_hidden_layers == 2
+    cfg = get_config("llama3.1-70b", rope_scaling=None, num_hidden_layers=2)  # Transformers 4 names work
+    assert rope_args(cfg) == dict(rope_theta=500000.0, rope_scaling=None) and cfg.num_hidden_layers == 2
+    assert rope_args(get_config("tiny", rope_theta=500000.0))["rope_theta"] == 500000.0
 
 
 def test_returned_configs_are_independent():
-    get_config("llama3.1-70b").rope_scaling["factor"] = 1.0
-    assert get_config("llama3.1-70b").rope_scaling["factor"] == 8.0
+    get_config("llama3.1-70b").rope_parameters["factor"] = 1.0
+    assert get_config("llama3.1-70b").rope_parameters["factor"] == 8.0
 
 
 def test_unknown_name():

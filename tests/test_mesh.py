@@ -1,35 +1,45 @@
 import numpy as np
 import pytest
 
-from llama_xla_helpers.mesh import hybrid_device_ids, make_mesh
-from llama_xla_helpers.runtime import init_runtime
+from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.mesh import hybrid_device_ids, make_mesh, mesh_shape
+from util import N, eight_devices
 
 
-def test_runtime_gives_eight_cpu_devices(runtime):
-    assert (runtime.device_kind, runtime.num_devices) == ("CPU", 8)
-    assert (runtime.process_index, runtime.process_count) == (0, 1)
-    assert init_runtime(8) == runtime  # a second call returns the same answer
+@pytest.mark.devices
+def test_default_mesh_uses_every_device():
+    mesh = make_mesh()
+    assert tuple(mesh.mesh_shape) == (N, 1) and mesh.axis_names == ("data", "model")
+    np.testing.assert_array_equal(mesh.get_logical_mesh(), np.arange(N).reshape(N, 1))
+    one_axis = make_mesh(axis_names=("fsdp",))
+    assert tuple(one_axis.mesh_shape) == (N,) and one_axis.axis_names == ("fsdp",)
 
 
-def test_runtime_refuses_another_device_count(runtime):
-    with pytest.raises(RuntimeError, match="already started with 8 CPU devices.*cpu_devices=4"):
-        init_runtime(4)
+@pytest.mark.devices
+def test_picked_shape_fits_the_devices_and_the_model():
+    data, model = mesh_shape(config=get_config("tiny"))
+    assert data * model == N and model <= data
+    np.testing.assert_array_equal(make_mesh((data, model)).get_logical_mesh(), np.arange(N).reshape(data, model))
+    np.testing.assert_array_equal(make_mesh((-1, model)).get_logical_mesh(), np.arange(N).reshape(data, model))
 
 
-@pytest.mark.parametrize("shape, expected", [
-    (None, (8, 1)), ((4, 2), (4, 2)), ((-1, 2), (4, 2)), ((2, -1), (2, 4)), ((1, 8), (1, 8))])
+def test_mesh_shape_by_device_count():
+    tiny = get_config("tiny")  # 8 heads, 4 KV heads, MLP 384, vocabulary 264 = 8 * 33
+    assert [mesh_shape(n, tiny) for n in (1, 2, 4, 8, 16, 32)] == [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4)]
+    assert mesh_shape(16, get_config("tiny", num_key_value_heads=2)) == (8, 2)  # 'model' <= KV heads
+    assert mesh_shape(256, get_config("llama2-70b")) == (32, 8)  # 8 KV heads cap the 'model' axis
+    assert mesh_shape(8) == (4, 2) and mesh_shape(1) == (1, 1)  # no model: only the device count
+
+
+@eight_devices
+@pytest.mark.parametrize("shape, expected", [((4, 2), (4, 2)), ((-1, 2), (4, 2)), ((2, -1), (2, 4)), ((1, 8), (1, 8))])
 def test_mesh_shapes(shape, expected):
     mesh = make_mesh(shape)
     assert tuple(mesh.mesh_shape) == expected
-    assert mesh.axis_names == ("data", "model")
     np.testing.assert_array_equal(mesh.get_logical_mesh(), np.arange(8).reshape(expected))
 
 
-def test_one_axis_mesh():
-    mesh = make_mesh(axis_names=("fsdp",))
-    assert tuple(mesh.mesh_shape) == (8,) and mesh.axis_names == ("fsdp",)
-
-
+@eight_devices
 def test_hybrid_mesh_keeps_each_slice_together():
     # 2 slices of 4 devices on 'data': rows 0-1 are slice 0 (devices 0-3), rows 2-3 slice 1.
     mesh = make_mesh((2, 2), dcn_shape=(2, 1))
@@ -40,15 +50,37 @@ def test_hybrid_mesh_keeps_each_slice_together():
     assert sorted(hybrid_device_ids((2, 2), (2, 1)).flatten()) == list(range(8))
 
 
+@pytest.mark.devices
+def test_multi_slice_mesh_puts_slices_on_the_dcn_axis():
+    if N % 2:
+        pytest.skip("two slices need an even device count")
+    mesh = make_mesh((1, N // 2, 1), ("dcn", "data", "model"), dcn_shape=(2, 1, 1))
+    ids = mesh.get_logical_mesh()
+    assert ids.shape == (2, N // 2, 1)
+    np.testing.assert_array_equal(ids[0].flatten(), np.arange(N // 2))  # slice 0 holds devices 0 .. N/2-1
+    np.testing.assert_array_equal(ids[1].flatten(), np.arange(N // 2, N))
+
+
+@pytest.mark.devices
+def test_bad_meshes_raise():
+    with pytest.raises(ValueError, match=rf"holds {N + 1} devices .* {N} devices"):
+        make_mesh((N + 1, 1))
+    with pytest.raises(ValueError, match="2 axes but axis_names"):
+        make_mesh((N, 1), axis_names=("data",))
+    with pytest.raises(ValueError, match="repeat a name"):
+        make_mesh((N, 1), axis_names=("data", "data"))
+    with pytest.raises(ValueError, match=rf"divides the {N} devices"):
+        make_mesh((1, 1), dcn_shape=(N + 1, 1))
+
+
+@eight_devices
 @pytest.mark.parametrize("kwargs, message", [
     (dict(shape=(3, 2)), r"holds 6 devices .* 8 devices .* shape=\(4, 2\)"),
     (dict(shape=(16, 1)), r"holds 16 devices .* shape=\(8, 1\)"),
     (dict(shape=(-1, 3)), r"shape=\(8, 1\)"),
-    (dict(shape=(4, 2), axis_names=("data",)), "2 axes but axis_names"),
-    (dict(shape=(4, 2), axis_names=("data", "data")), "repeat a name"),
     (dict(shape=(2, 2), dcn_shape=(3, 1)), "divides the 8 devices"),
     (dict(shape=(4, 2), dcn_shape=(2, 1)), r"each of 2 slices .* shape=\(2, 2\)"),
 ])
-def test_bad_meshes_raise(kwargs, message):
+def test_bad_meshes_suggest_a_shape(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_mesh(**kwargs)

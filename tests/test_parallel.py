@@ -1,5 +1,5 @@
-"""Tensor-parallel inference on 8 devices: Megatron sharding, the collectives of a decode step,
-KV-head replication and the resharding CLI."""
+"""Tensor-parallel inference on the devices there are: Megatron sharding, the collectives of a
+decode step, KV-head replication and the resharding CLI."""
 import json
 import subprocess
 import sys
@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from llama_xla_helpers.generate import Generator
-from llama_xla_helpers.mesh import make_mesh
+from llama_xla_helpers.mesh import make_mesh, mesh_shape
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.parallel import decode_collectives, main, replicate_kv_heads, shard_for_inference
 from llama_xla_helpers.quantize import quantize
 from llama_xla_helpers.sharding import shard_shape
 from test_generate import BUCKETS, LENGTHS, MAX_SEQ_LEN, NEW_TOKENS, VARIANTS, prompts, reference, tiny
-from util import hf_model
+from util import N, eight_devices, hf_model, tp_size
+
+TP = tp_size()  # the 'model' axis: up to 8 (tiny's vocabulary, 264, splits up to 8 ways)
 
 
 def sharded(hf, mesh, max_batch_size, max_seq_len=MAX_SEQ_LEN):
@@ -26,30 +28,38 @@ def sharded(hf, mesh, max_batch_size, max_seq_len=MAX_SEQ_LEN):
     return shard_for_inference(model, mesh)
 
 
+@pytest.mark.devices
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tensor_parallel_greedy_matches_hugging_face(variant):
     hf, expected = reference(variant)
-    model = sharded(hf, make_mesh((8,), ("model",)), max_batch_size=len(LENGTHS))
-    tokens, stats = Generator(model, buckets=BUCKETS).generate(prompts(), NEW_TOKENS)
-    assert tokens == expected
+    data = N // TP  # devices beyond 8 split the batch
+    rows = list(range(len(LENGTHS))) if data == 1 else list(range(1, len(LENGTHS)))  # 5 prompts, or 4
+    model = sharded(hf, make_mesh((data, TP)), max_batch_size=len(rows))
+    tokens, stats = Generator(model, buckets=BUCKETS).generate([prompts()[r] for r in rows], NEW_TOKENS)
+    assert tokens == [expected[r] for r in rows]
     assert stats.compiles <= 2 + 2
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     shards = {name: shard_shape(t) for name, t in [
         ("embed", model.embed_tokens.weight), ("q", attn.q_proj.weight), ("k", attn.k_proj.weight),
         ("o", attn.o_proj.weight), ("up", mlp.up_proj.weight), ("down", mlp.down_proj.weight),
         ("lm_head", model.lm_head.weight), ("cache", attn.kv_cache.k_cache)]}
-    assert shards == {"embed": (33, 128), "q": (16, 128), "k": (16, 128), "o": (128, 16), "up": (48, 128),
-                      "down": (128, 48), "lm_head": (33, 128), "cache": (5, MAX_SEQ_LEN, 1, 16)}
+    kv_heads = max(hf.config.num_key_value_heads, TP)  # replicated up to the 'model' axis
+    assert shards == {"embed": (264 // TP, 128), "q": (128 // TP, 128), "k": (kv_heads * 16 // TP, 128),
+                      "o": (128, 128 // TP), "up": (384 // TP, 128), "down": (128, 384 // TP),
+                      "lm_head": (264 // TP, 128), "cache": (len(rows) // data, MAX_SEQ_LEN, kv_heads // TP, 16)}
 
 
+@pytest.mark.devices
 def test_2d_mesh_splits_batch_and_model():
-    hf, expected = reference("gqa")  # 4 KV heads: the 'model' axis of 4 needs no replication
-    model = sharded(hf, make_mesh((2, 4), ("data", "model")), max_batch_size=4)
-    assert shard_shape(model.layers[0].self_attn.kv_cache.k_cache) == (2, MAX_SEQ_LEN, 1, 16)
+    hf, expected = reference("gqa")  # 4 KV heads
+    data, tp = mesh_shape(N, hf.config)  # (4, 2) on 8 devices, (2, 2) on 4, (4, 4) on 16
+    model = sharded(hf, make_mesh((data, tp)), max_batch_size=4)
+    assert shard_shape(model.layers[0].self_attn.kv_cache.k_cache) == (4 // data, MAX_SEQ_LEN, 4 // tp, 16)
     tokens, _ = Generator(model, buckets=BUCKETS).generate(prompts()[1:], NEW_TOKENS)
     assert tokens == expected[1:]
 
 
+@eight_devices
 @pytest.mark.parametrize("scheme, group_size, lm_head, row_groups_split", [
     ("int8", None, True, None),
     ("int4", 16, False, True),   # o_proj 8 groups, down_proj 24: split over 8 devices with the inputs
@@ -86,9 +96,12 @@ def test_quantized_tensor_parallel_matches_one_device(scheme, group_size, lm_hea
 
 @pytest.fixture(scope="module")
 def collectives():
-    """Collectives of one decode step of a 2-layer MHA model, tensor-parallel over 8 devices."""
-    model = sharded(hf_model(tiny()), make_mesh((8,), ("model",)), max_batch_size=3, max_seq_len=64)
-    return decode_collectives(model, batch_size=3)
+    """Collectives of one decode step of a 2-layer MHA model, tensor-parallel over up to 8 devices."""
+    if TP == 1:
+        pytest.skip("one device: there are no collectives")
+    batch = 3 * (N // TP)  # 3 rows per 'data' shard
+    model = sharded(hf_model(tiny()), make_mesh((N // TP, TP)), max_batch_size=batch, max_seq_len=64)
+    return decode_collectives(model, batch_size=batch)
 
 
 def test_decode_step_all_reduces_after_row_parallel_layers(collectives):
@@ -102,7 +115,7 @@ def test_decode_step_all_reduces_after_row_parallel_layers(collectives):
 def test_decode_step_gathers_no_more_than_the_logits(collectives):
     # Attention with einsum keeps heads local: nothing but the logits' (value, index) crosses devices.
     _, nbytes = collectives
-    assert nbytes["all-gather"] <= 3 * 264 * 4  # (bsz, vocab_size) fp32
+    assert nbytes["all-gather"] <= 3 * 264 * 4  # (3 rows, vocab_size) fp32 per device
 
 
 @pytest.mark.parametrize("variant, factor", [("gqa", 2), ("llama3.1", 4)])
@@ -131,7 +144,8 @@ def test_replicate_kv_heads_bad_arguments():
         replicate_kv_heads(model.state_dict(), 2)
 
 
-@pytest.mark.parametrize("overrides, mesh_shape, axes, message", [
+@eight_devices
+@pytest.mark.parametrize("overrides, shape, axes, message", [
     (dict(num_key_value_heads=2), (8,), ("model",),
      r"n_kv_heads=2 < the 'model' axis of size 8.*replicate_kv_heads\(model, factor=4\)"),
     (dict(vocab_size=260, num_key_value_heads=8), (8,), ("model",),
@@ -140,19 +154,21 @@ def test_replicate_kv_heads_bad_arguments():
      r"intermediate_size=350 is not divisible by the 'model' axis of size 4; .* one of \[1, 2\]"),
     (dict(), (8,), ("data",), r"mesh has no axis 'model'"),
 ])
-def test_shard_for_inference_checks_first(overrides, mesh_shape, axes, message):
+def test_shard_for_inference_checks_first(overrides, shape, axes, message):
     model = Llama.from_hf(hf_model(tiny(layers=1, **overrides)), max_batch_size=2, max_seq_len=8)
     with pytest.raises(ValueError, match=message):
-        shard_for_inference(model, make_mesh(mesh_shape, axes))
+        shard_for_inference(model, make_mesh(shape, axes))
     assert model.embed_tokens.weight.device.type == "cpu"  # nothing moved
 
 
+@eight_devices
 def test_shard_for_inference_checks_batch_against_data_axis():
     model = Llama.from_hf(hf_model(tiny(layers=1)), max_batch_size=3, max_seq_len=8)
     with pytest.raises(ValueError, match="max_batch_size=3 is not divisible by the 'data' axis of size 2"):
         shard_for_inference(model, make_mesh((2, 4), ("data", "model")))
 
 
+@pytest.mark.child_process
 def test_reshard_cli_round_trip(tmp_path):
     hf = hf_model(tiny(layers=1, **VARIANTS["llama3.1"]))
     src, dst = tmp_path / "src", tmp_path / "dst"

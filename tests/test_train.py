@@ -13,9 +13,10 @@ from llama_xla_helpers import checkpoint
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, train_val_split
 from llama_xla_helpers.train import Adafactor, TrainConfig, _parse_args, init_weights, train, train_step
+from util import N, shapes_2d
 
-# Small and quick: 2 steps compile, the rest reuse the graph.
-SMALL = TrainConfig(steps=4, batch_size=8, seq_len=32, eval_batches=2)
+# Small and quick: 2 steps compile, the rest reuse the graph. The mesh is picked for the devices there are.
+SMALL = TrainConfig(steps=4, batch_size=max(8, N), seq_len=32, eval_batches=2)
 
 
 def cpu_losses(cfg):
@@ -75,11 +76,13 @@ def test_adafactor_matches_transformers_adafactor():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.devices
 def test_training_compiles_two_graphs_however_many_steps():
     # A shape no other test uses, so the graphs are compiled here and not taken from the cache.
-    result = train(dataclasses.replace(SMALL, steps=8, seq_len=40))
+    result = train(dataclasses.replace(SMALL, steps=8, seq_len=40, log_every=3))
     assert result.train_compiles == 2   # step 1 (creates optimizer state) and every later step
-    assert sorted(result.losses) == list(range(1, 9))
+    assert sorted(result.losses) == list(range(1, 9))  # every step's loss, read every 3 steps
+    assert all(isinstance(v, float) for v in result.losses.values())
     assert result.mfu is None           # not a TPU
 
 
@@ -90,7 +93,8 @@ def test_same_seed_same_losses():
     assert c.losses != a.losses
 
 
-@pytest.mark.parametrize("strategy, mesh", [("2d", (4, 2)), ("2d", (2, 4)), ("fsdp", (8, 1))])
+@pytest.mark.devices
+@pytest.mark.parametrize("strategy, mesh", [("2d", shape) for shape in shapes_2d()] + [("fsdp", (N, 1))])
 def test_sharded_training_matches_unsharded(strategy, mesh):
     cfg = dataclasses.replace(SMALL, strategy=strategy, mesh=mesh)
     want = cpu_losses(cfg)
@@ -99,6 +103,18 @@ def test_sharded_training_matches_unsharded(strategy, mesh):
     for step in want:
         assert got[step] == pytest.approx(want[step], abs=2e-4), step
     assert want[4] < want[1]  # and it learns
+
+
+@pytest.mark.devices
+def test_bf16_training_follows_fp32():
+    """bf16 parameters (fp32 norms, softmax, loss and optimizer math): the losses follow fp32's."""
+    fp32 = train(dataclasses.replace(SMALL, steps=3, dtype="fp32"))
+    bf16 = train(dataclasses.replace(SMALL, steps=3, dtype="bf16"))
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
+    for step, loss in fp32.losses.items():
+        assert bf16.losses[step] == pytest.approx(loss, abs=0.05), step  # bf16 keeps ~3 significant digits
+    assert bf16.losses[3] < bf16.losses[1]
 
 
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
@@ -111,6 +127,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
         train(dataclasses.replace(run, seq_len=40, resume=True))
 
 
+@pytest.mark.child_process
 def test_sigkill_loses_at_most_the_steps_since_the_last_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "llama_xla_helpers.train", "--steps", "30", "--batch-size", "8",
            "--seq-len", "32", "--eval-batches", "1", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path)]
@@ -144,7 +161,10 @@ def test_cli_flags_mirror_the_config():
 def test_bad_training_input():
     with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
         train(dataclasses.replace(SMALL, resume=True))
-    with pytest.raises(ValueError, match="batch_size 6 is not divisible by the 'data' axis of size 4"):
-        train(dataclasses.replace(SMALL, batch_size=6))
+    if N > 1:
+        with pytest.raises(ValueError, match=f"batch_size {N + 1} is not divisible by the 'data' axis of size {N}"):
+            train(dataclasses.replace(SMALL, mesh=(N, 1), batch_size=N + 1))
+    with pytest.raises(ValueError, match="dtype='fp16' is not one of fp32, bf16"):
+        train(dataclasses.replace(SMALL, dtype="fp16"))
     with pytest.raises(ValueError, match="unknown config 'llama-1b'"):
         train(dataclasses.replace(SMALL, model="llama-1b"))

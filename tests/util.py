@@ -1,9 +1,29 @@
 """Shared test helpers."""
+import pytest
 import torch
 from transformers import LlamaForCausalLM
+
+import torch_xla.runtime as xr
+
+N = xr.global_runtime_device_count()  # devices of this test run (CPU_NUM_DEVICES, default 8)
+# Expected values written out for the default 8-device stand-in; other counts skip these.
+eight_devices = pytest.mark.skipif(N != 8, reason=f"expected values are written for 8 devices, this run has {N}")
 
 
 def hf_model(config, seed=0):
     """A Hugging Face Llama with random fp32 weights, in eval mode, on the CPU."""
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+def tp_size(limit=8):
+    """The widest 'model' axis up to `limit` that divides the device count (tiny's vocab, 264, splits up to 8)."""
+    return max(k for k in range(1, limit + 1) if N % k == 0 and limit % k == 0)
+
+
+def shapes_2d():
+    """Distinct (data, model) mesh shapes for the tiny model on N devices: all on 'data', the
+    automatic pick, and the widest 'model' axis the tiny model allows."""
+    from llama_xla_helpers.configs import get_config
+    from llama_xla_helpers.mesh import mesh_shape
+    return list(dict.fromkeys([(N, 1), mesh_shape(N, get_config("tiny")), (N // tp_size(4), tp_size(4))]))
