@@ -9,9 +9,16 @@ import torch
 
 
 def load_corpus(path=None):
-    """The text of a local file, or by default the standard library's pydoc topic texts."""
+    """The text of a local UTF-8 file, or by default the standard library's pydoc topic texts."""
     if path is not None:
-        return Path(path).read_text(encoding="utf-8")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"data file {str(path)!r} does not exist; pass a UTF-8 text file")
+        data = Path(path).read_bytes()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text: byte {e.start} is 0x{data[e.start]:02x}; pass a text "
+                             f"file (the byte tokenizer reads text, encoded as UTF-8)") from None
     from pydoc_data.topics import topics
     return "\n\n".join(topics[k] for k in sorted(topics))
 

@@ -77,8 +77,8 @@ def plot_sharding(t, title="", name="sharding"):
 
 
 def plot_bars(groups, ylabel, title, name, log=False):
-    """Grouped bars: groups = {group label: {series label: value}}."""
-    series = list(dict.fromkeys(s for g in groups.values() for s in g))
+    """Grouped bars: groups = {group label: {series label: value}}; a group may be empty (all zero)."""
+    series = list(dict.fromkeys(s for g in groups.values() for s in g)) or [""]
     fig = Figure(figsize=(1.2 * len(groups) * max(1, len(series) / 2) + 2, 3.5))
     ax = fig.subplots()
     width = 0.8 / len(series)

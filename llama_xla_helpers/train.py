@@ -8,9 +8,11 @@ process 0 prints and writes shared files). The mesh defaults to `mesh.mesh_shape
 devices there are; `--mesh 4,2` fixes it, `--slices 2` spans 2 slices of a multi-slice pod.
 """
 import argparse
+import contextlib
 import dataclasses
 import math
-import sys
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -31,8 +33,9 @@ from .data import StepSampler, load_corpus, train_val_split
 from .hlo import collectives, compiled_hlo
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
+from .cli import ArgumentParser, user_errors
 from .runtime import chip, init_runtime
-from .sharding import shard_activations, shard_params, shard_shape, sharded_loader
+from .sharding import STRATEGIES, shard_activations, shard_params, shard_shape, sharded_loader
 
 
 @dataclass
@@ -178,6 +181,7 @@ class TrainResult:
     train_compiles: int     # graphs compiled by the training steps (the post expects 2)
     tokens_per_sec_per_chip: float
     mfu: float              # None on CPU: MFU against a CPU has no meaningful peak
+    stopped_early: bool = False  # SIGTERM arrived: checkpointed at the end of that step and stopped
 
 
 def _check_resume(meta, cfg):
@@ -188,20 +192,43 @@ def _check_resume(meta, cfg):
                              f"run has {key}={getattr(cfg, key)!r}; use the same value or a new checkpoint_dir")
 
 
+POSITIVE = {"steps": "optimizer steps to run", "batch_size": "sequences per step",
+            "seq_len": "tokens per sequence", "checkpoint_every": "steps between checkpoints",
+            "keep": "checkpoints kept", "eval_batches": "held-out batches per evaluation",
+            "log_every": "steps between loss reads", "slices": "slices of a multi-slice pod"}
+
+
+def check_config(cfg):
+    """ValueError naming the field, its value, the limit and a fix, before any work is done."""
+    for name, what in POSITIVE.items():
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: the {what} must be an int >= 1")
+    if not (isinstance(cfg.lr, (int, float)) and 0 < cfg.lr < float("inf")):
+        raise ValueError(f"lr={cfg.lr!r} must be a finite number > 0 (e.g. 0.01; Adafactor scales it by "
+                         f"each weight's RMS)")
+    if not isinstance(cfg.eval_every, int) or cfg.eval_every < 0:
+        raise ValueError(f"eval_every={cfg.eval_every!r} must be an int >= 0 (0: evaluate once, at the end)")
+    if cfg.mesh is not None and (not isinstance(cfg.mesh, (tuple, list)) or len(cfg.mesh) != 2 or
+                                 not all(isinstance(k, int) and k >= 1 for k in cfg.mesh)):
+        raise ValueError(f"mesh={cfg.mesh!r} must be two ints >= 1, (data, model) devices, e.g. (4, 2); "
+                         f"or None to pick one for the devices there are")
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"strategy={cfg.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise ValueError("resume=True needs checkpoint_dir, the folder to resume from")
+
+
 def setup(cfg):
     """Start the runtime; returns (cfg with dtype and mesh filled in, mesh, LlamaConfig)."""
-    slices = cfg.slices
-    if not isinstance(slices, int) or slices < 1:
-        raise ValueError(f"slices={slices!r} must be an int >= 1 (the number of slices of a multi-slice pod)")
-    if not isinstance(cfg.log_every, int) or cfg.log_every < 1:
-        raise ValueError(f"log_every={cfg.log_every!r} must be an int >= 1 (steps between loss reads)")
+    check_config(cfg)
+    slices, config = cfg.slices, get_config(cfg.model)
     # On a CPU an explicit mesh sizes the stand-in; on a TPU the mesh must match the chips (make_mesh checks).
     init_runtime(cpu_devices=math.prod(cfg.mesh) * slices if cfg.mesh else None)
-    config = get_config(cfg.model)
     shape = tuple(cfg.mesh) if cfg.mesh else mesh_shape(xr.global_runtime_device_count() // slices, config)
     dtype = cfg.dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if slices == 1:
         mesh = make_mesh(shape)
     else:  # the batch crosses slices over the DCN; weights stay sharded inside each slice
@@ -211,8 +238,6 @@ def setup(cfg):
 
 def train(cfg):
     """Train as `cfg` says; returns a TrainResult."""
-    if cfg.resume and not cfg.checkpoint_dir:
-        raise ValueError("resume=True needs checkpoint_dir, the folder to resume from")
     cfg, mesh, config = setup(cfg)
     resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
     if resume_from:
@@ -233,35 +258,56 @@ def train(cfg):
     losses, pending, val_losses, timed = {}, [], {}, []
     model.train()
     compiles = count_compiles()
-    for step, (ids,) in enumerate(loader, start + 1):
-        pending.append((step, train_step(model, optimizer, ids)))
-        torch_xla.sync()  # one graph per step, dispatched: the device runs it while the host goes on
-        timed.append(time.perf_counter())
-        bar.update(1)
-        if step % cfg.log_every == 0:  # read every loss but this step's: the device is already past them
-            read_losses(pending[:-1], losses)
-            pending = pending[-1:]
-            if cfg.progress and len(timed) > 2:
-                tps = cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1])
-                bar.set_postfix(loss=f"{losses[step - 1]:.3f}", tok_s=f"{tps:,.0f}")
-        if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-            checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
-                            extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict()))
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            before = count_compiles()
-            val_losses[step] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
-            compiles += count_compiles() - before  # evaluation graphs are not training graphs
+    with sigterm_flag() as stop:
+        for step, (ids,) in enumerate(loader, start + 1):
+            pending.append((step, train_step(model, optimizer, ids)))
+            torch_xla.sync()  # one graph per step, dispatched: the device runs it while the host goes on
+            timed.append(time.perf_counter())
+            bar.update(1)
+            if step % cfg.log_every == 0:  # read every loss but this step's: the device is already past them
+                read_losses(pending[:-1], losses)
+                pending = pending[-1:]
+                if cfg.progress and len(timed) > 2:
+                    tps = cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1])
+                    bar.set_postfix(loss=f"{losses[step - 1]:.3f}", tok_s=f"{tps:,.0f}")
+            if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
+                checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
+                                extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict()))
+            if stop:  # preempted: this step is saved; stop here
+                break
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                before = count_compiles()
+                val_losses[step] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
+                compiles += count_compiles() - before  # evaluation graphs are not training graphs
     xm.wait_device_ops()
     done = time.perf_counter()
     read_losses(pending, losses)
     compiles = count_compiles() - compiles
     bar.close()
-    val_losses[max(cfg.steps, start)] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
+    val_losses[max(losses, default=start)] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
     tps = (cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (done - timed[1]) / mesh.size()
-           if len(timed) > 2 else float("nan"))  # after the two compiling steps
+           if len(timed) > 2 else None)  # after the two compiling steps
     peak = PEAK_FLOPS.get(chip())
     return TrainResult(model, optimizer, losses, val_losses, compiles, tps,
-                       mfu(tps, config, cfg.seq_len, peak) if peak and tps == tps else None)
+                       mfu(tps, config, cfg.seq_len, peak) if peak and tps else None, bool(stop))
+
+
+@contextlib.contextmanager
+def sigterm_flag():
+    """A list that becomes non-empty when SIGTERM arrives: a spot or preemptible TPU VM's notice.
+
+    Training checks it at the end of each step, saves a checkpoint and stops (exit status 0).
+    Signal handlers live in the main thread only; elsewhere the list stays empty.
+    """
+    got = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: got.append(True))
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def read_losses(pending, losses):
@@ -290,32 +336,48 @@ def profile_step(cfg):
                 collectives=collectives("".join(modules)))
 
 
+def mesh_arg(text):
+    """--mesh 4,2 -> (4, 2)."""
+    try:
+        return tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of ints like 4,2 (data, model)") from None
+
+
 def _parse_args(argv=None):
-    """One --flag per TrainConfig field: --mesh 4,2, --steps 300, --resume, ..."""
-    parser = argparse.ArgumentParser(prog="python -m llama_xla_helpers.train", description=__doc__.split("\n")[0])
+    """One --flag per TrainConfig field: --mesh 4,2, --steps 300, --resume, ...; and --debug."""
+    parser = ArgumentParser(prog="python -m llama_xla_helpers.train", description=__doc__.split("\n")[0])
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
             parser.add_argument(flag, action="store_true", default=f.default)
         elif f.type is tuple:
-            parser.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",")), default=f.default)
+            parser.add_argument(flag, type=mesh_arg, default=f.default)
         else:
-            parser.add_argument(flag, type=f.type if f.type is not str else str, default=f.default)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+            parser.add_argument(flag, type=f.type, default=f.default)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an input error")
+    args = vars(parser.parse_args(argv))
+    return TrainConfig(**{k: v for k, v in args.items() if k != "debug"}), args["debug"]
 
 
 def main(argv=None):
-    cfg = dataclasses.replace(_parse_args(argv), progress=True)
-    try:
-        result = train(cfg)
-    except ValueError as e:  # bad input, found before any work: one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg, debug = _parse_args(argv)
+    with user_errors(debug):
+        result = train(dataclasses.replace(cfg, progress=True))
     if xr.process_index() != 0:
         return
     step, val = max(result.val_losses.items())
+    if not result.losses:
+        print(f"the run is already complete: the newest checkpoint is at step {step} (--steps {cfg.steps}); "
+              f"held-out loss {val:.3f} nats/byte")
+        return
+    if result.stopped_early:
+        print(f"SIGTERM: saved a checkpoint at step {step}; resume with --resume")
     print(f"step {step}: train loss {result.losses[max(result.losses)]:.3f}, held-out loss {val:.3f} nats/byte; "
           f"{result.train_compiles} training graphs compiled")
+    if result.tokens_per_sec_per_chip is None:
+        print("tokens/s/chip: not enough steps to measure (the first two compile)")
+        return
     print(f"{result.tokens_per_sec_per_chip:,.0f} tokens/s/chip", end="; ")
     if result.mfu is None:
         print("MFU not reported: this is not a TPU, and a CPU standing in for one has no meaningful "

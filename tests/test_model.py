@@ -185,3 +185,32 @@ def test_bad_shapes_raise():
         model(tokens(3, 4), torch.arange(4))
     with pytest.raises(ValueError, match=r"input_pos has shape \(3,\), expected \(4,\)"):
         model(tokens(2, 4), torch.arange(3))
+
+
+def test_from_hf_keeps_the_dtype_unless_told():
+    hf = hf_model(tiny())
+    assert Llama.from_hf(hf, 1, 16).embed_tokens.weight.dtype == torch.float32
+    assert Llama.from_hf(hf.to(torch.bfloat16), 1, 16).embed_tokens.weight.dtype == torch.bfloat16
+    bf16 = Llama.from_hf(hf.float(), 1, 16, dtype=torch.bfloat16)
+    assert {t.dtype for t in bf16.state_dict().values()} == {torch.bfloat16}
+    assert hf.model.embed_tokens.weight.dtype == torch.float32  # the source is not touched
+
+
+@pytest.mark.devices
+def test_bf16_on_xla_follows_fp32():
+    """bf16 weights and cache on the XLA device: logits within bf16's tolerance of fp32, and the
+    same first greedy choices where fp32's top two are not near a tie."""
+    import torch_xla
+    hf = hf_model(tiny())
+    toks = tokens(2, 24)
+    want = full_logits(Llama.from_hf(hf, 2, 32), toks)  # fp32 on the CPU
+    model = Llama.from_hf(hf, 2, 32, dtype=torch.bfloat16).to(torch_xla.device())
+    model.init_buffers()  # RoPE tables and cache on the device, in bf16
+    device = torch_xla.device()
+    got = model(toks.to(device), torch.arange(toks.shape[1]).to(device)).cpu()
+    assert got.dtype == torch.float32  # logits come out in fp32
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 0.05 * scale  # bf16 keeps ~3 significant digits per op
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.1 * scale
+    assert clear.any() and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])

@@ -152,7 +152,7 @@ def test_gradient_checkpointing_gives_the_same_losses():
 
 
 def test_cli_flags_mirror_the_config():
-    cfg = _parse_args(["--mesh", "2,4", "--strategy", "fsdp", "--steps", "7", "--lr", "0.003", "--resume",
+    cfg, debug = _parse_args(["--mesh", "2,4", "--strategy", "fsdp", "--steps", "7", "--lr", "0.003", "--resume",
                        "--checkpoint-dir", "ck", "--data", "corpus.txt", "--gradient-checkpointing"])
     assert cfg == dataclasses.replace(TrainConfig(), mesh=(2, 4), strategy="fsdp", steps=7, lr=0.003, resume=True,
                                       checkpoint_dir="ck", data="corpus.txt", gradient_checkpointing=True)

@@ -1,0 +1,38 @@
+"""What the package's command lines share: a bad argument is one `error:` line and exit status 2.
+
+    parser = ArgumentParser(prog="python -m llama_xla_helpers.train")
+    ...
+    with user_errors(debug=args.debug):  # a ValueError / FileNotFoundError from checking input
+        run(args)                         # becomes `error: <message>`, exit 2; --debug: the traceback
+"""
+import argparse
+import contextlib
+import sys
+
+
+def fail(message):
+    """Print `error: message` on stderr and exit with status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a bad argument prints one line (no usage block) and exits 2."""
+
+    def error(self, message):
+        fail(f"{message} (see {self.prog} --help)")
+
+
+@contextlib.contextmanager
+def user_errors(debug=False):
+    """Turn the errors the package raises for bad input into one `error:` line and exit 2.
+
+    Such errors are raised before any work (checks of arguments, files, shapes); anything
+    else is a bug and keeps its traceback. `debug=True` keeps the traceback for these too.
+    """
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        if debug:
+            raise
+        fail(str(e))

@@ -1,0 +1,92 @@
+"""The training CLI as a user runs it: a bad argument is one `error:` line and exit status 2,
+a finished run says so, SIGTERM checkpoints and exits 0. Each case is a real process."""
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llama_xla_helpers import checkpoint
+from llama_xla_helpers.train import TrainConfig, train
+
+pytestmark = pytest.mark.child_process
+TRAIN = [sys.executable, "-m", "llama_xla_helpers.train"]
+QUICK = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1"]
+ENV = {**os.environ, "CPU_NUM_DEVICES": "8"}
+
+
+def run(*args, timeout=300):
+    return subprocess.run(TRAIN + list(args), capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def binary_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "weights.bin"
+    path.write_bytes(b"plain text, then \xff\xfe not UTF-8")
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq-len", "0"], "seq_len=0: the tokens per sequence must be an int >= 1"),
+    (["--lr", "-1"], "lr=-1.0 must be a finite number > 0"),
+    (["--steps", "0"], "steps=0: the optimizer steps to run must be an int >= 1"),
+    (["--steps", "-3"], "steps=-3"),
+    (["--batch-size", "0"], "batch_size=0"),
+    (["--checkpoint-every", "0"], "checkpoint_every=0"),
+    (["--keep", "0"], "keep=0: the checkpoints kept must be an int >= 1"),
+    (["--mesh", "0,2"], r"mesh=(0, 2) must be two ints >= 1"),
+    (["--mesh=-4,2"], r"mesh=(-4, 2) must be two ints >= 1"),
+    (["--mesh", "4,x"], "'4,x' is not a list of ints like 4,2"),
+    (["--model", "llama-1b"], "unknown config 'llama-1b'; known names: tiny"),
+    (["--dtype", "fp16"], "dtype='fp16' is not one of fp32, bf16"),
+    (["--resume"], "resume=True needs checkpoint_dir"),
+    (["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' does not exist"),
+])
+def test_bad_argument_is_one_error_line(args, message):
+    out = run(*args)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [l for l in out.stderr.splitlines() if l.strip() and not l.startswith(("W0000", "WARNING", "I0000"))]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_binary_data_names_the_offset(binary_file):
+    out = run("--data", str(binary_file), *QUICK)
+    assert out.returncode == 2
+    assert f"error: {binary_file} is not UTF-8 text: byte 17 is 0xff" in out.stderr
+    assert "Traceback" not in out.stderr
+    debug = run("--data", str(binary_file), "--debug", *QUICK)  # --debug: the traceback too
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_a_finished_run_says_so_and_exits_0(tmp_path):
+    first = run("--steps", "2", "--checkpoint-dir", str(tmp_path), *QUICK)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "tokens/s/chip: not enough steps to measure" in first.stdout  # not "nan tokens/s/chip"
+    again = run("--steps", "2", "--checkpoint-dir", str(tmp_path), "--resume", *QUICK)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "the run is already complete: the newest checkpoint is at step 2 (--steps 2); held-out loss" in again.stdout
+
+
+def test_sigterm_saves_the_current_step_and_a_resume_matches_an_uninterrupted_run(tmp_path):
+    """A spot / preemptible VM's notice: checkpoint at the end of the current step, exit 0."""
+    cmd = TRAIN + ["--steps", "400", "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path), *QUICK]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+    deadline = time.time() + 300
+    while checkpoint.latest(tmp_path) is None:  # training is under way
+        assert proc.poll() is None and time.time() < deadline, "training ended or stalled before step 10"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    step = checkpoint.read_meta(checkpoint.latest(tmp_path))["step"]
+    assert 10 <= step < 400 and f"SIGTERM: saved a checkpoint at step {step}" in stdout
+
+    cfg = TrainConfig(steps=step + 3, batch_size=8, seq_len=32, eval_batches=1, checkpoint_dir=str(tmp_path),
+                      resume=True)
+    resumed = train(cfg).losses
+    whole = train(dataclasses.replace(cfg, resume=False, checkpoint_dir=None)).losses
+    assert resumed == {s: whole[s] for s in range(step + 1, step + 4)}  # bit for bit
