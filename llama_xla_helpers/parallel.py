@@ -15,7 +15,6 @@ heads on 16 chips); the CLI does the same to a checkpoint directory:
 
     python -m llama_xla_helpers.parallel reshard SRC DST --factor 2
 """
-import argparse
 import dataclasses
 import json
 import shutil
@@ -27,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from . import hlo
+from .cli import ArgumentParser, user_errors
 from .model import Llama, safetensors_files
 from .sharding import axis_size, check_divisible, to_sharded
 
@@ -213,17 +213,16 @@ def reshard_checkpoint(src, dst, factor):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m llama_xla_helpers.parallel")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = ArgumentParser(prog="python -m llama_xla_helpers.parallel")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     reshard = commands.add_parser("reshard", help="replicate the KV heads of a local HF Llama checkpoint")
     reshard.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
     reshard.add_argument("dst", help="new directory to write")
     reshard.add_argument("--factor", type=int, required=True, help="copies of each KV head")
+    reshard.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     args = parser.parse_args(argv)
-    try:
+    with user_errors(args.debug):
         out = reshard_checkpoint(args.src, args.dst, args.factor)
-    except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
     print(f"wrote {out} with {args.factor}x KV heads")
 
 

@@ -90,3 +90,22 @@ def test_sigterm_saves_the_current_step_and_a_resume_matches_an_uninterrupted_ru
     resumed = train(cfg).losses
     whole = train(dataclasses.replace(cfg, resume=False, checkpoint_dir=None)).losses
     assert resumed == {s: whole[s] for s in range(step + 1, step + 4)}  # bit for bit
+
+
+@pytest.mark.parametrize("args, message", [
+    (["reshard", "/nonexistent", "{dst}", "--factor", "2"], "/nonexistent has no config.json"),
+    (["reshard", "{src}", "{dst}", "--factor", "3"], "factor=3 gives 12 KV heads, which do not divide n_heads=8"),
+    (["reshard", "{src}", "{dst}", "--factor", "two"], "argument --factor: invalid int value: 'two'"),
+    (["reshard", "{src}"], "the following arguments are required: dst"),
+])
+def test_reshard_cli_bad_arguments(tmp_path, args, message):
+    from llama_xla_helpers.configs import get_config
+    from util import hf_model
+    src = tmp_path / "src"
+    hf_model(get_config("tiny", num_hidden_layers=1)).save_pretrained(src)
+    argv = [a.format(src=src, dst=tmp_path / "dst") for a in args]
+    out = subprocess.run([sys.executable, "-m", "llama_xla_helpers.parallel", *argv], capture_output=True,
+                         text=True, timeout=120)
+    lines = [l for l in out.stderr.splitlines() if l.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    assert not (tmp_path / "dst").exists()

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer
 from llama_xla_helpers.generate import (Generator, generate_text, llama3_chat, load_tokenizer,
-                                        prefill_sections)
+                                        prefill_sections, sample)
 from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
 from util import hf_model
@@ -102,6 +102,25 @@ def test_sampling_reproducible_and_no_recompile():
     assert stats.compiles == 0  # temperature and top-p are tensors: same graph
     nucleus_of_one, stats = gen.generate(batch, 24, temperature=1.0, top_p=1e-6, seed=3)
     assert nucleus_of_one == greedy and stats.compiles == 0
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 0.7), (0.5, 0.7), (2.0, 0.9), (1.0, 1.0)])
+def test_top_p_draws_from_the_renormalized_nucleus(temperature, top_p):
+    """`sample` on the CPU, seeded: 20,000 draws from one row of logits."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    probs = torch.softmax(logits / temperature, dim=-1)  # temperature scales the logits
+    before = probs.cumsum(0) - probs                     # mass of the more likely tokens (sorted already)
+    nucleus = before <= top_p                            # the most likely tokens up to top_p, at least one
+    expected = torch.where(nucleus, probs, 0.0) / probs[nucleus].sum()
+    torch.manual_seed(0)
+    draws = sample(logits.expand(20_000, -1), torch.tensor([temperature]), torch.tensor([top_p]), greedy=False)
+    freq = torch.bincount(draws, minlength=len(logits)) / len(draws)
+    assert (freq[~nucleus] == 0).all()                   # never a token outside the nucleus
+    assert (freq[nucleus] > 0).all()
+    assert torch.allclose(freq, expected, atol=0.015)    # 3.5 standard errors at p = 0.5
+    if temperature != 1.0:  # and the nucleus' frequencies are not those of temperature 1
+        plain = torch.softmax(logits, -1)
+        assert not torch.allclose(freq, torch.where(nucleus, plain, 0.0) / plain[nucleus].sum(), atol=0.05)
 
 
 def test_eos_stops_within_check_interval():

@@ -185,13 +185,35 @@ def test_bad_shapes_raise():
         model(tokens(3, 4), torch.arange(4))
     with pytest.raises(ValueError, match=r"input_pos has shape \(3,\), expected \(4,\)"):
         model(tokens(2, 4), torch.arange(3))
+    with pytest.raises(ValueError, match="20 tokens > max_seq_len=16"):
+        model(tokens(1, 20), torch.arange(20))
+    with pytest.raises(ValueError, match=r"pad has shape \(3,\), expected \(2,\)"):
+        model(tokens(2, 4), torch.arange(4), pad=torch.zeros(3, dtype=torch.long))
 
 
-def test_from_hf_keeps_the_dtype_unless_told():
+@pytest.mark.parametrize("overrides, message", [
+    (dict(attention_bias=True), "attention_bias / mlp_bias are True"),
+    (dict(mlp_bias=True), "attention_bias / mlp_bias are True"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'; this Llama's feed-forward is SwiGLU"),
+    (dict(rope_scaling=dict(LLAMA31_SCALING, low_freq_factor=4.0)), "low_freq_factor=4.0 must be < high_freq_factor=4.0"),
+])
+def test_configs_this_llama_cannot_run_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArgs.from_hf_config(tiny(**overrides), max_batch_size=1, max_seq_len=8)
+
+
+def test_explicit_head_dim_matches_hf():
+    """head_dim 32 with 8 heads on hidden 128: q/k/v project to 256, o_proj back to 128."""
+    hf = hf_model(tiny(head_dim=32))
+    model = Llama.from_hf(hf, max_batch_size=2, max_seq_len=24)
+    assert model.args.head_dim == 32 and model.layers[0].self_attn.q_proj.weight.shape == (256, 128)
+    toks = tokens(2, 20)
+    torch.testing.assert_close(full_logits(model, toks), hf_logits(hf, toks), atol=ATOL, rtol=0)
+
+
+def test_from_hf_casts_when_told():
     hf = hf_model(tiny())
-    assert Llama.from_hf(hf, 1, 16).embed_tokens.weight.dtype == torch.float32
-    assert Llama.from_hf(hf.to(torch.bfloat16), 1, 16).embed_tokens.weight.dtype == torch.bfloat16
-    bf16 = Llama.from_hf(hf.float(), 1, 16, dtype=torch.bfloat16)
+    bf16 = Llama.from_hf(hf, 1, 16, dtype=torch.bfloat16)
     assert {t.dtype for t in bf16.state_dict().values()} == {torch.bfloat16}
     assert hf.model.embed_tokens.weight.dtype == torch.float32  # the source is not touched
 

@@ -50,6 +50,20 @@ def test_tensor_parallel_greedy_matches_hugging_face(variant):
 
 
 @pytest.mark.devices
+def test_tied_embeddings_stay_tied_when_sharded():
+    hf = hf_model(tiny(tie_word_embeddings=True))
+    hf.generation_config.eos_token_id = None
+    rows = prompts()[1:3] * (N // TP)  # 2 prompts per 'data' shard
+    expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=16, do_sample=False)[0, len(p):].tolist() for p in rows]
+    model = sharded(hf, make_mesh((N // TP, TP)), max_batch_size=len(rows))
+    assert model.lm_head.weight is model.embed_tokens.weight  # one tensor, placed once
+    assert shard_shape(model.lm_head.weight) == (264 // TP, 128)
+    tokens, _ = Generator(model, buckets=BUCKETS).generate(rows, 16)
+    assert tokens == expected
+
+
+@pytest.mark.devices
 def test_2d_mesh_splits_batch_and_model():
     hf, expected = reference("gqa")  # 4 KV heads
     data, tp = mesh_shape(N, hf.config)  # (4, 2) on 8 devices, (2, 2) on 4, (4, 4) on 16
@@ -112,10 +126,13 @@ def test_decode_step_all_reduces_after_row_parallel_layers(collectives):
     assert counts["all-gather"] >= 1
 
 
-def test_decode_step_gathers_no_more_than_the_logits(collectives):
-    # Attention with einsum keeps heads local: nothing but the logits' (value, index) crosses devices.
-    _, nbytes = collectives
-    assert nbytes["all-gather"] <= 3 * 264 * 4  # (3 rows, vocab_size) fp32 per device
+def test_decode_step_gathers_only_each_shards_best_token(collectives):
+    # Attention with einsum keeps heads local, and the greedy pick over the vocabulary-parallel
+    # logits gathers only each shard's best (value, index): (3 rows, TP shards) of f32 and of s32.
+    # Gathering the logits themselves would move (3, 264) f32 = 3168 bytes per device.
+    counts, nbytes = collectives
+    assert counts["all-gather"] == 2
+    assert nbytes["all-gather"] == 3 * TP * (4 + 4)
 
 
 @pytest.mark.parametrize("variant, factor", [("gqa", 2), ("llama3.1", 4)])
