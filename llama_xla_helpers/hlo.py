@@ -11,10 +11,12 @@ from collections import Counter
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-               "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-# e.g. "  %all-reduce.3 = f32[4,64]{1,0} all-reduce(f32[4,64]{1,0} %dot), channel_id=1, ..."
-_INSTRUCTION = re.compile(r"= (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+               "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+# One instruction per line: "  %all-reduce.3 = f32[4,64]{1,0} all-reduce(f32[4,64]{1,0} %dot), ..."
+# (name, result shape, op, "-start" if async). A tuple shape holds spaces: "(f32[2,8]{1,0}, ...)".
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")(-start)?\(",
+                          re.MULTILINE)
+_ARRAY = re.compile(r"(\w+)\[([\d, ]*)\]")
 
 
 def _array_bytes(dtype, dims):
@@ -24,15 +26,47 @@ def _array_bytes(dtype, dims):
     return n * DTYPE_BYTES.get(dtype, 4)
 
 
+def _elements(shape):
+    """The top-level elements of a tuple shape: "((f32[8]{0}), f32[2]{0}, u32[])" ->
+    ["(f32[8]{0})", "f32[2]{0}", "u32[]"]; an array shape is its own single element."""
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, start = [], 0, 1
+    for i, c in enumerate(shape[1:-1], 1):
+        depth += (c in "([{") - (c in ")]}")  # commas also sit in dims [2,8], layouts {1,0:T(8,128)}
+        if c == "," and depth == 0:
+            parts.append(shape[start:i])
+            start = i + 1
+    return [p.strip() for p in parts + [shape[start:-1]]]
+
+
+def _output(op, start, shape):
+    """The part of a collective's result shape that is its output.
+
+    Sync ops and all-reduce-start return the output(s) only: f32[8], or (f32[8], f32[4]) when
+    several operands are reduced at once. Every other async start returns (operand(s), output(s),
+    context...): all-gather-start (f32[2,8], f32[8,8]), collective-permute-start (f32[8], f32[8],
+    u32[], u32[]), and the async-wrapped ops, printed as reduce-scatter-start ((f32[8]), f32[2])
+    (an all-reduce wrapped so has a tuple of operands first too). Unsugared, a wrapped op is
+    printed as async-start(...), calls=%computation, whose body holds the plain op: counted there.
+    """
+    parts = _elements(shape)
+    wrapped = parts[0].startswith("(")  # ((operands), output(s), ...)
+    if start and len(parts) > 1 and (wrapped or op != "all-reduce"):
+        return parts[1]
+    return shape
+
+
 def collectives(hlo_text):
-    """Count the collectives in HLO text: ({op: count}, {op: bytes of their results per device})."""
+    """Count the collectives in HLO text: ({op: count}, {op: bytes of their outputs per device}).
+
+    Sync and async forms count alike, each collective once: "all-gather" counts all-gather and
+    all-gather-start; the -done (and -update) halves are not counted.
+    """
     counts, nbytes = Counter(), Counter()
     for shape, op, start in _INSTRUCTION.findall(hlo_text):
-        arrays = _ARRAY.findall(shape)
-        if start:  # async form: result is (operand, output, ...); count the output
-            arrays = arrays[1:2]
         counts[op] += 1
-        nbytes[op] += sum(_array_bytes(t, dims) for t, dims in arrays)
+        nbytes[op] += sum(_array_bytes(t, dims) for t, dims in _ARRAY.findall(_output(op, start, shape)))
     return dict(counts), dict(nbytes)
 
 

@@ -2,6 +2,11 @@
 
 A partition spec has one entry per tensor dimension: a mesh axis name (split that dimension over
 the axis), a tuple of names (split over several axes), or None (replicate it).
+
+On a multi-slice pod the mesh has a leading 'dcn' axis, one entry per slice (torchprime's
+layout): parameters keep the specs below, which do not name 'dcn', so each slice holds a full
+sharded copy; only the batch is split across slices, on ('dcn', 'data'), so only the
+data-parallel gradient reduction crosses the slow data-center network.
 """
 import math
 import re
@@ -32,7 +37,8 @@ PARAM_SPECS = {
 }
 
 # Table 2: batch on 'data', sequence replicated, last dim on 'model'. Keyed by the module
-# whose output is annotated ('attn_weights' is inside the attention function).
+# whose output is annotated ('attn_weights' is inside the attention function). The batch goes
+# on `batch_axes(mesh)`: ('dcn', 'data') on a multi-slice mesh (see `batch_spec`).
 ACTIVATION_SPECS = {
     "embed_tokens": ("data", None, "model"),      # inputs_embeds (bsz, seqlen, hidden_size)
     "q_proj": ("data", None, "model"),            # query_states (bsz, seqlen, num_heads * head_dim)
@@ -46,7 +52,7 @@ ACTIVATION_SPECS = {
     "lm_head": ("data", None, "model"),           # logits (bsz, seqlen, vocab_size)
 }
 
-INPUT_SPEC = ("data", None)  # token batches (bsz, seqlen): batch on 'data'
+INPUT_SPEC = ("data", None)  # token batches (bsz, seqlen): batch on 'data' (batch_spec: and 'dcn')
 STRATEGIES = ("2d", "fsdp")
 
 
@@ -58,6 +64,17 @@ def axis_size(mesh, axes):
             raise ValueError(f"mesh has no axis {a!r}; its axes are {mesh.axis_names}. "
                              f"Build it with make_mesh(axis_names=('data', 'model'))")
     return math.prod([mesh.shape()[a] for a in axes])
+
+
+def batch_axes(mesh):
+    """The mesh axes a batch is split over: 'data', or ('dcn', 'data') if the mesh has a 'dcn' axis."""
+    axis_size(mesh, "data")
+    return ("dcn", "data") if "dcn" in mesh.axis_names else "data"
+
+
+def batch_spec(spec, mesh):
+    """A batch-first spec (INPUT_SPEC, an ACTIVATION_SPECS entry) with its batch on `batch_axes(mesh)`."""
+    return (batch_axes(mesh),) + tuple(spec[1:])
 
 
 def _sizes_that_fit(n, mesh):
@@ -77,12 +94,15 @@ def check_divisible(what, shape, spec, mesh):
 
 def param_spec(name, shape, mesh, strategy="2d"):
     """The partition spec of one parameter: Table 1 for '2d'; for 'fsdp' the largest dim over all
-    devices (the largest that divides evenly, if any does: (264, 128) on 16 devices splits the 128)."""
+    devices of a slice (the largest that divides evenly, if any does: (264, 128) on 16 devices
+    splits the 128). Neither splits a weight over 'dcn': every slice holds a whole copy."""
     if strategy == "2d":
         return PARAM_SPECS.get(name.rsplit(".", 2)[-2], (None,) * len(shape))
-    even = [d for d in range(len(shape)) if shape[d] % mesh.size() == 0] or range(len(shape))
+    axes = tuple(a for a in mesh.axis_names if a != "dcn")
+    n = axis_size(mesh, axes)
+    even = [d for d in range(len(shape)) if shape[d] % n == 0] or range(len(shape))
     big = max(even, key=lambda d: shape[d])
-    return tuple(tuple(mesh.axis_names) if d == big else None for d in range(len(shape)))
+    return tuple(axes if d == big else None for d in range(len(shape)))
 
 
 def shard_params(model, mesh, strategy="2d", init=None):
@@ -140,37 +160,59 @@ def sharding_table(model):
     return rows
 
 
-class _MarkSharding(torch.autograd.Function):
-    """Annotate a tensor and its gradient. torch_xla's own version (mark_sharding_with_gradients)
-    formats the mesh inside the traced region, which dynamo cannot trace; this takes the strings."""
+# (str(mesh), str(spec)) -> torch_xla OpSharding, built once by each Constraint.
+_OP_SHARDINGS = {}
 
-    @staticmethod
-    def forward(ctx, t, mesh_str, spec_str):
-        ctx.strs = (mesh_str, spec_str)
-        return torch.ops.xla.aot_mark_sharding(t, mesh_str, spec_str)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.ops.xla.aot_mark_sharding(grad, *ctx.strs), None, None
+@torch.library.custom_op("llama_xla::mark_sharding", mutates_args=())
+def _mark_sharding(t: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
+    """A copy of `t` annotated with the sharding a Constraint built for these strings.
+
+    Strings, not a Mesh, so that dynamo can trace it. torch_xla's xla::aot_mark_sharding takes
+    the same strings but on every call parses them into a new Mesh, recomputes its OpSharding
+    (cached per Mesh object, so the cache only grows) and retries importing jax: ~1 ms of host
+    time per annotation. Here it is one dict lookup.
+    """
+    out = t.clone()  # a custom op may not return its input
+    torch_xla._XLAC._xla_mark_sharding(out, _OP_SHARDINGS[mesh, spec])
+    return out
+
+
+@_mark_sharding.register_fake
+def _(t, mesh, spec):
+    return torch.empty_like(t)
+
+
+def _keep_strings(ctx, inputs, output):
+    ctx.strs = inputs[1:]
+
+
+_mark_sharding.register_autograd(lambda ctx, grad: (_mark_sharding(grad, *ctx.strs), None, None),
+                                 setup_context=_keep_strings)  # the gradient gets the same sharding
 
 
 class Constraint:
     """Shard an intermediate tensor (JAX's with_sharding_constraint), eagerly or under torch.compile.
 
     `Constraint("q_proj output", mesh, spec)(t)` checks the split is even and returns `t`
-    annotated; its gradient gets the same sharding in the backward pass.
+    annotated; its gradient gets the same sharding in the backward pass. The sharding is
+    built here, once: a call only looks it up.
     """
 
     def __init__(self, name, mesh, spec):
-        self.name, self.mesh, self.spec = name, mesh, spec
-        self.strs = (str(mesh), str(spec))
-        self.splits = [1 if a is None else axis_size(mesh, a) for a in spec]
+        self.name, self.mesh, self.spec = name, mesh, tuple(spec)
+        self.strs = (str(mesh), str(self.spec))
+        self.splits = [1 if a is None else axis_size(mesh, a) for a in self.spec]
+        _OP_SHARDINGS[self.strs] = mesh.get_op_sharding(self.spec)
 
     def __call__(self, t):
+        if t.dim() != len(self.spec):
+            raise ValueError(f"{self.name}: spec {self.spec} has {len(self.spec)} entries but the tensor has "
+                             f"shape {tuple(t.shape)}; give one entry per dimension")
         for size, k in zip(t.shape, self.splits):
             if size % k:
                 check_divisible(self.name, t.shape, self.spec, self.mesh)  # raises, naming the dim
-        return _MarkSharding.apply(t, *self.strs)
+        return _mark_sharding(t, *self.strs)
 
 
 def sharded_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *,
@@ -187,11 +229,15 @@ def sharded_eager_attention(module, query, key, value, attention_mask, scaling, 
     return torch.einsum("bhqk,bhkd->bqhd", weights, value), weights  # (bsz, seqlen, num_heads, head_dim)
 
 
+_ATTENTION_NAMES = {}  # str(mesh) -> the name its attention function is registered under
+
+
 def shard_activations(model, mesh):
     """Annotate, inside the graph, the activations of Table 2 without editing the HF source.
 
     Forward hooks shard the outputs of the embedding, every Linear and lm_head (the logits);
-    a registered attention function shards the attention weights. Returns the hook handles.
+    an attention function registered for this mesh shards the attention weights. Returns the
+    hook handles.
     """
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -202,20 +248,20 @@ def shard_activations(model, mesh):
             raise ValueError(f"{what}={size} is not divisible by mesh axis 'model' of size "
                              f"{axis_size(mesh, 'model')}, which splits it in Table 2; use a mesh whose "
                              f"'model' axis has size {_sizes_that_fit(size, mesh)}")
-    axis_size(mesh, "data")
-    constraints = {n: Constraint(f"{n} output", mesh, spec) for n, spec in ACTIVATION_SPECS.items()}
-    AttentionInterface.register("xla_sharded", partial(sharded_eager_attention,
-                                                       constrain_weights=constraints["attn_weights"]))
-    AttentionMaskInterface.register("xla_sharded", eager_mask)
-    model.set_attn_implementation("xla_sharded")
+    constraints = {n: Constraint(f"{n} output", mesh, batch_spec(spec, mesh)) for n, spec in ACTIVATION_SPECS.items()}
+    # Transformers looks the attention function up by name in a process-wide registry: one name
+    # per mesh, so that sharding another model on another mesh leaves this one's alone.
+    name = _ATTENTION_NAMES.setdefault(str(mesh), f"xla_sharded_{len(_ATTENTION_NAMES)}")
+    AttentionInterface.register(name, partial(sharded_eager_attention, constrain_weights=constraints["attn_weights"]))
+    AttentionMaskInterface.register(name, eager_mask)
+    model.set_attn_implementation(name)
     return [m.register_forward_hook(lambda mod, args, out, c=constraints[n.rsplit(".", 1)[-1]]: c(out))
             for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in constraints]
 
 
 def input_sharding(mesh):
-    """The ShardingSpec for token batches: batch on 'data', sequence replicated."""
-    axis_size(mesh, "data")
-    return xs.ShardingSpec(mesh, INPUT_SPEC)
+    """The ShardingSpec for token batches: batch on `batch_axes(mesh)`, sequence replicated."""
+    return xs.ShardingSpec(mesh, batch_spec(INPUT_SPEC, mesh))
 
 
 def sharded_loader(dataset, batch_size, mesh, **kwargs):
@@ -223,10 +269,11 @@ def sharded_loader(dataset, batch_size, mesh, **kwargs):
 
     drop_last=True (the post's caveat: a smaller last batch cannot be split on 'data').
     """
-    data = axis_size(mesh, "data")
-    if batch_size % data:
-        raise ValueError(f"batch_size {batch_size} is not divisible by the 'data' axis of size {data}; "
-                         f"use a multiple of {data}")
+    axes = batch_axes(mesh)
+    k = axis_size(mesh, axes)
+    if batch_size % k:
+        raise ValueError(f"batch_size {batch_size} is not divisible by the {axes!r} axis of size {k}; "
+                         f"use a multiple of {k}")
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True, **kwargs)
     return pl.MpDeviceLoader(loader, torch_xla.device(), input_sharding=input_sharding(mesh))
 

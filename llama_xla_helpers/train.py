@@ -10,12 +10,14 @@ devices there are; `--mesh 4,2` fixes it, `--slices 2` spans 2 slices of a multi
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch_xla
@@ -24,7 +26,7 @@ import torch_xla.runtime as xr
 import torch_xla.utils.checkpoint
 from torch.utils.data import TensorDataset
 from tqdm import tqdm
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from . import checkpoint
@@ -221,10 +223,25 @@ def check_config(cfg):
         raise ValueError("resume=True needs checkpoint_dir, the folder to resume from")
 
 
+def model_config(cfg):
+    """The LlamaConfig to train: the named one, or the one in the `init_from` folder."""
+    if not cfg.init_from:
+        return get_config(cfg.model)
+    file = Path(cfg.init_from) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"init_from={cfg.init_from!r} has no config.json; pass a local Hugging Face "
+                                f"folder (checkpoint.export_hf or save_pretrained writes one)")
+    model_type = json.loads(file.read_text()).get("model_type")
+    if model_type != "llama":
+        raise ValueError(f"{file} describes a {model_type!r} model, not a Llama (model_type 'llama'); "
+                         f"pass a LlamaForCausalLM folder")
+    return LlamaConfig.from_json_file(file)
+
+
 def setup(cfg):
     """Start the runtime; returns (cfg with dtype and mesh filled in, mesh, LlamaConfig)."""
     check_config(cfg)
-    slices, config = cfg.slices, get_config(cfg.model)
+    slices, config = cfg.slices, model_config(cfg)
     # On a CPU an explicit mesh sizes the stand-in; on a TPU the mesh must match the chips (make_mesh checks).
     init_runtime(cpu_devices=math.prod(cfg.mesh) * slices if cfg.mesh else None)
     shape = tuple(cfg.mesh) if cfg.mesh else mesh_shape(xr.global_runtime_device_count() // slices, config)

@@ -53,6 +53,13 @@ def test_bad_argument_is_one_error_line(args, message):
     assert "Traceback" not in out.stderr
 
 
+def test_init_from_a_folder_that_is_not_a_llama(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
+    out = run("--init-from", str(tmp_path), *QUICK)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"error: {tmp_path / 'config.json'} describes a 'gpt2' model, not a Llama" in out.stderr
+
+
 def test_binary_data_names_the_offset(binary_file):
     out = run("--data", str(binary_file), *QUICK)
     assert out.returncode == 2

@@ -181,3 +181,16 @@ def test_bad_training_input():
         train(dataclasses.replace(SMALL, dtype="fp16"))
     with pytest.raises(ValueError, match="unknown config 'llama-1b'"):
         train(dataclasses.replace(SMALL, model="llama-1b"))
+
+
+def test_init_from_a_local_folder_starts_from_its_weights(tmp_path):
+    trained = train(dataclasses.replace(SMALL, steps=3))
+    checkpoint.export_hf(trained.model, tmp_path)
+    tuned = train(dataclasses.replace(SMALL, steps=2, init_from=str(tmp_path)))
+    cpu = checkpoint.load_hf(tmp_path)  # the exported weights, on the CPU: step 1's loss before any update
+    train_ids, _ = train_val_split(load_corpus(), SMALL.seq_len)
+    [first] = DataLoader(TensorDataset(train_ids), batch_size=SMALL.batch_size, drop_last=True,
+                         sampler=StepSampler(len(train_ids), SMALL.batch_size, SMALL.seed, 0, 1))
+    want = train_step(cpu, Adafactor(cpu.parameters()), first[0]).item()
+    assert tuned.losses[1] == pytest.approx(want, abs=2e-4)
+    assert tuned.losses[1] < trained.losses[1] - 0.05  # not a fresh init
