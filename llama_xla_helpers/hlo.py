@@ -43,12 +43,13 @@ def _elements(shape):
 def _output(op, start, shape):
     """The part of a collective's result shape that is its output.
 
-    Sync ops and all-reduce-start return the output(s) only: f32[8], or (f32[8], f32[4]) when
-    several operands are reduced at once. Every other async start returns (operand(s), output(s),
+    Sync ops and all-reduce-start return their output(s): f32[8], or (f32[8], bf16[4]) when
+    several operands are reduced at once. The other async starts return (operand(s), output(s),
     context...): all-gather-start (f32[2,8], f32[8,8]), collective-permute-start (f32[8], f32[8],
-    u32[], u32[]), and the async-wrapped ops, printed as reduce-scatter-start ((f32[8]), f32[2])
-    (an all-reduce wrapped so has a tuple of operands first too). Unsugared, a wrapped op is
-    printed as async-start(...), calls=%computation, whose body holds the plain op: counted there.
+    u32[], u32[]), and an op wrapped in async-start, which XLA prints as reduce-scatter-start
+    ((f32[8]), f32[2]) (an all-reduce wrapped so also has its operands first, in a tuple). Without
+    that sugar it prints async-start(...), calls=%computation, whose body holds the plain op:
+    that one is counted, the async-start is not.
     """
     parts = _elements(shape)
     wrapped = parts[0].startswith("(")  # ((operands), output(s), ...)

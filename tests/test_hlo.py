@@ -1,10 +1,11 @@
 """hlo.collectives on HLO text as the TPU backend prints it, and on HLO this CPU compiles.
 
-The async forms follow XLA's own tests (openxla/xla: hlo_parser_test's AllReduceStartAndDone and
-CollectivePermuteStartAndDone, convert_async_collectives_to_sync_test's SimpleAllGather,
-CombinedCollectivePermute and SimpleReduceScatter, hlo_instruction_test's async reduce-scatter
-printed with and without syntax sugar), written with TPU layouts: tiles T(8,128), bf16's (2,1),
-memory spaces S(n), and the collective_backend_config XLA's TPU scheduler attaches.
+TPUs run collectives asynchronously. The async forms below follow XLA's own tests (openxla/xla:
+hlo_parser_test's AllReduceStartAndDone and CollectivePermuteStartAndDone,
+convert_async_collectives_to_sync_test's SimpleAllGather, CombinedCollectivePermute and
+SimpleReduceScatter, hlo_instruction_test's async reduce-scatter printed with and without syntax
+sugar, async_collective_creator_test's generic async all-reduce), written with the TPU's tiled
+layouts: {1,0:T(8,128)}, bf16's {1,0:T(8,128)(2,1)}, scalars' {:T(128)}.
 """
 import pytest
 import torch

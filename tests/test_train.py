@@ -119,6 +119,18 @@ def test_sharded_training_matches_unsharded(strategy, mesh):
 
 
 @pytest.mark.devices
+def test_two_slices_train_like_one_device():
+    """--slices 2: a leading 'dcn' axis; weights sharded inside each slice, the batch across slices."""
+    if N % 2:
+        pytest.skip("two slices need an even device count")
+    cfg = dataclasses.replace(SMALL, slices=2)
+    result = train(cfg)
+    assert result.model.model.embed_tokens.weight.device.type == "xla"
+    want = cpu_losses(cfg)
+    assert all(result.losses[s] == pytest.approx(want[s], abs=2e-4) for s in want)
+
+
+@pytest.mark.devices
 def test_bf16_training_follows_fp32():
     """bf16 parameters (fp32 norms, softmax, loss and optimizer math): the losses follow fp32's."""
     fp32 = train(dataclasses.replace(SMALL, steps=3, dtype="fp32"))
