@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
 
 from .data import ByteTokenizer
+from .mesh import make_mesh
 from .metrics import count_compiles
 from .sharding import Constraint
 
@@ -95,6 +97,18 @@ def step(model, pin, tokens, input_pos, pad, out, out_pos, done, temperature, to
     return nxt[:, None], input_pos[-1:] + 1, out_pos + 1, out, done, done.all()
 
 
+def mark_replicated(model):
+    """Give every tensor of an unsharded model on the XLA device a 'replicated' sharding now.
+
+    torch_xla gives them that sharding after the first execution anyway. Marked only then, the
+    second call's graph differs: a bf16 model's norm weights feed a `convert` that now carries
+    `sharding={replicated}`, so the prefill graph hashes differently and compiles once more.
+    """
+    mesh = make_mesh()
+    for t in list(model.parameters()) + list(model.buffers()):
+        xs.mark_sharding(t, mesh, (None,) * t.dim())
+
+
 def replicator(model):
     """On a sharded model (`model.mesh`), a function that pins a 1-D or 2-D tensor to 'replicated'.
 
@@ -129,6 +143,8 @@ class Generator:
             raise ValueError(f"eos_check_interval={eos_check_interval!r} must be an int >= 1")
         self.device = torch_xla.device()
         self.model = model if model.embed_tokens.weight.device.type == "xla" else model.to(self.device)
+        if getattr(self.model, "mesh", None) is None:
+            mark_replicated(self.model)
         self.buckets, self.eos_check_interval = buckets, eos_check_interval
         self.pin = replicator(self.model)
         self.step = torch.compile(step, backend="openxla", fullgraph=True, dynamic=False) if compile else step

@@ -30,6 +30,17 @@ HBM_BYTES = {
     "tpu-v6e": 32 * GiB,
 }
 
+# Published HBM bandwidth per chip in bytes/s (decimal GB/s), from each chip's Cloud TPU page:
+# https://cloud.google.com/tpu/docs/v4 ("32 GiB, 1200 GBps"), .../v5e ("16 GB, 819 GBps"),
+# .../v5p ("95 GB, 2765 GBps"), .../v6e ("HBM bandwidth per chip 1638 GBps"; older revisions of
+# that page say 1600). `doctor` compares a measured copy with these.
+HBM_BANDWIDTH = {
+    "tpu-v4": 1200e9,
+    "tpu-v5e": 819e9,
+    "tpu-v5p": 2765e9,
+    "tpu-v6e": 1638e9,
+}
+
 # Bytes per weight for plan(); weight-only quantization, the KV cache stays bf16.
 BYTES_PER_PARAM = {"bf16": 2, "int8": 1, "int4": 0.5}
 

@@ -89,6 +89,13 @@ def test_compiles_do_not_grow_with_new_tokens():
     assert gen.generate(batch, 100)[1].compiles == 0
 
 
+def test_a_bf16_model_compiles_nothing_on_the_second_call():
+    """bf16 (the TPU default): the second call reuses every graph, as fp32 does."""
+    model = Llama.from_hf(hf_model(tiny(layers=1)), max_batch_size=2, max_seq_len=128, dtype=torch.bfloat16)
+    gen = Generator(model, buckets=BUCKETS)
+    assert [gen.generate(prompts((7, 30)), 8)[1].compiles for _ in range(3)][1:] == [0, 0]
+
+
 def test_sampling_reproducible_and_no_recompile():
     gen = small_generator()
     batch = prompts((7, 30))

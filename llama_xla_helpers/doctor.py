@@ -1,0 +1,279 @@
+"""Check a new machine before anything else: runtime, sharding, compilation, speed, CPU fallbacks.
+
+    python -m llama_xla_helpers.doctor                   # a TPU VM (on a pod: every host at once)
+    python -m llama_xla_helpers.doctor --cpu-devices 4   # a CPU: 4 virtual devices stand in
+
+One line per check, PASS or FAIL with a fix; exit status 1 if any check fails (2: a bad argument).
+On this 2-core CPU the whole run takes under a minute.
+"""
+import argparse
+import contextlib
+import io
+import logging
+import sys
+import time
+
+import torch
+import torch_xla
+import torch_xla.backends
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+from transformers import LlamaForCausalLM
+
+from .cli import ArgumentParser
+from .configs import get_config
+from .generate import Generator
+from .mesh import make_mesh, mesh_shape
+from .metrics import HBM_BANDWIDTH, PEAK_FLOPS
+from .model import Llama
+from .parallel import replicate_kv_heads, shard_for_inference
+from .runtime import accelerator_type, chip, init_runtime, tpu_chips_present
+from .sharding import to_sharded
+from .train import DTYPES, TrainConfig, train
+
+MIN_FRACTION_OF_PEAK = 0.1  # a TPU measured below this fraction of its published peak fails
+NOT_FALLBACKS = {"aten::_local_scalar_dense"}  # `.item()` / `.tolist()`: a read of a device value
+
+
+class CheckFailed(Exception):
+    """A check ran and found something wrong (the message says what)."""
+
+
+def run_checks(checks, args):
+    """Run each (name, check, fix): print `PASS name: <what check(args) returns>` or
+    `FAIL name: <error>; fix: <fix>`. Returns the exit status: 1 if any failed, else 0."""
+    status = 0
+    for name, check, fix in checks:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # one line per check: what the package prints is dropped
+                detail = check(args)
+            print(f"PASS {name}: {detail}", flush=True)
+        except Exception as e:
+            print(f"FAIL {name}: {one_line(e)}; fix: {fix}", flush=True)
+            status = 1
+    return status
+
+
+def one_line(error):
+    """The first line of an exception's message, after its type unless a check raised it."""
+    lines = str(error).strip().splitlines()
+    if isinstance(error, CheckFailed):
+        return lines[0]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+@contextlib.contextmanager
+def highest_precision():
+    """fp32 matmuls in about fp32 inside the block, to compare with the CPU: on a TPU the default
+    precision multiplies fp32 inputs in bf16 (one pass), 'highest' in six. (The CPU computes fp32
+    either way.) The precision is not part of a graph's cache key, so graphs compiled here must have
+    shapes no other check compiles."""
+    previous, log = torch_xla.backends.get_mat_mul_precision(), logging.getLogger("torch_xla.backends")
+    level = log.level
+    log.setLevel(logging.ERROR)  # it warns at every change; the checks verify the results
+    torch_xla.backends.set_mat_mul_precision("highest")
+    try:
+        yield
+    finally:
+        torch_xla.backends.set_mat_mul_precision(previous)
+        log.setLevel(level)
+
+
+def plural(n, noun):
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def dtype_name(args):
+    """--dtype, else bf16 on a TPU and fp32 on a CPU (train's default too)."""
+    return args.dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
+
+
+def tiny_llama(max_batch_size, max_seq_len, dtype=None):
+    """The inference `Llama` of the tiny config with seeded random weights, on the CPU. Large
+    weights (initializer_range 0.2) make the greedy tokens vary, so comparing them means something."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(get_config("tiny", initializer_range=0.2))
+    return Llama.from_hf(hf, max_batch_size, max_seq_len, dtype)
+
+
+def prompts(lengths):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+# --- The checks: each returns what passed, or raises ------------------------------------------
+
+def check_runtime(args):
+    info = init_runtime(args.cpu_devices)
+    return (f"{info.device_kind}, chip {info.chip}, {plural(info.num_devices, 'device')}, "
+            f"{plural(info.process_count, 'host')}")
+
+
+def check_matmul(args):
+    """A 2D-sharded matmul (a reduction over 'model') equals torch's on the CPU."""
+    n = xr.global_runtime_device_count()
+    mesh = make_mesh(mesh_shape(n))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8 * n, 64 * n, generator=g), torch.randn(64 * n, 128, generator=g)
+    want = a @ b  # (8n, 128)
+    with highest_precision():
+        out = to_sharded(a, mesh, ("data", "model")) @ to_sharded(b, mesh, ("model", None))  # (8n, 128)
+        xs.mark_sharding(out, mesh, (None, None))  # replicated: every host can read it
+        out = out.cpu()
+    err = ((out - want).abs().max() / want.abs().max()).item()
+    if not err < 1e-4:
+        raise CheckFailed(f"max error {err:.1e} of the largest value (limit 1e-4) on mesh {tuple(mesh.mesh_shape)}")
+    return f"({8 * n}, {64 * n}) @ ({64 * n}, 128) on mesh {tuple(mesh.mesh_shape)} equals the CPU's (error {err:.1e})"
+
+
+def check_training(args):
+    """2 training steps compile 2 graphs: the first step (it creates the optimizer state), then the rest."""
+    shape = mesh_shape(config=get_config("tiny"))
+    batch = shape[0]  # one sequence per 'data' shard
+    result = train(TrainConfig(model="tiny", mesh=shape, dtype=args.dtype, steps=2, batch_size=batch,
+                               seq_len=64, eval_batches=1))
+    what = f"mesh {shape}, batch {batch}, seq_len 64, {dtype_name(args)}"
+    if result.train_compiles != 2:
+        raise CheckFailed(f"2 steps compiled {result.train_compiles} graphs, expected 2 ({what})")
+    return f"2 steps compiled 2 graphs ({what})"
+
+
+def check_generation(args):
+    """The second generate() on the same prompt shape compiles nothing."""
+    gen = Generator(tiny_llama(1, 64, DTYPES[dtype_name(args)]), buckets=(16,))
+    _, first = gen.generate(prompts([5]), max_new_tokens=4)
+    _, second = gen.generate(prompts([5]), max_new_tokens=4)
+    if second.compiles:
+        raise CheckFailed(f"the second generate() compiled {second.compiles} graphs, expected 0")
+    return f"the first generate() compiled {first.compiles} graphs, the second 0"
+
+
+def check_tensor_parallel(args):
+    """Greedy tokens of the tiny model: unsharded (replicated) == Megatron-sharded over 'model'."""
+    n = xr.global_runtime_device_count()
+    tp = max(k for k in range(1, 9) if n % k == 0 and 8 % k == 0)  # tiny's heads and vocab split up to 8
+    mesh = make_mesh((n,), ("model",)) if tp == n else make_mesh((n // tp, tp))
+    batch = 2 * (n // tp)  # a multiple of 'data'; rows of different lengths
+    rows, sizes = prompts([4 + b % 12 for b in range(batch)]), dict(max_batch_size=batch, max_seq_len=32)
+    sharded = tiny_llama(**sizes)
+    if tp > sharded.args.n_kv_heads:
+        sharded = replicate_kv_heads(sharded, tp // sharded.args.n_kv_heads)
+    with highest_precision():
+        want, _ = Generator(tiny_llama(**sizes), buckets=(16,)).generate(rows, max_new_tokens=8)
+        got, _ = Generator(shard_for_inference(sharded, mesh), buckets=(16,)).generate(rows, max_new_tokens=8)
+    where = f"{mesh.axis_names} mesh {tuple(mesh.mesh_shape)}"
+    for b, (w, g) in enumerate(zip(want, got)):
+        if w != g:
+            raise CheckFailed(f"row {b}: unsharded {w} != tensor-parallel {g} on the {where}")
+    return f"{batch} rows x 8 greedy tokens equal, unsharded vs the {where}"
+
+
+def seconds_per_run(fn, runs):
+    """Mean time of fn() as one graph, timed after a warm-up run (its compile)."""
+    out = fn()  # kept alive until the sync, or there would be nothing to run
+    torch_xla.sync()
+    xm.wait_device_ops()
+    start = time.perf_counter()
+    for _ in range(runs):
+        out = fn()
+        torch_xla.sync()
+    xm.wait_device_ops()
+    return (time.perf_counter() - start) / runs
+
+
+def check_speed(args):
+    """Matmul FLOP/s and memory GB/s per device, against the chip's published peaks on a TPU."""
+    n, on_tpu = xr.global_runtime_device_count(), xr.device_type() == "TPU"
+    name, m, elems = ("bf16", 8192, 2**27) if on_tpu else ("fp32", 512, 2**22)
+    dtype, device, mesh = DTYPES[name], torch_xla.device(), make_mesh((n,), ("data",))
+    a = torch.randn(n * m, m, dtype=dtype, device=device)  # (n*m, m): m rows per device
+    b = torch.randn(m, m, dtype=dtype, device=device)
+    x = torch.randn(n * elems, dtype=dtype, device=device)  # elems per device
+    xs.mark_sharding(a, mesh, ("data", None))
+    xs.mark_sharding(b, mesh, (None, None))  # replicated: each device multiplies its rows, no collective
+    xs.mark_sharding(x, mesh, ("data",))
+    torch_xla.sync()
+    flops = 2 * m**3 / seconds_per_run(lambda: a @ b, runs=10)
+    bandwidth = 2 * elems * x.element_size() / seconds_per_run(lambda: x * 2, runs=10)  # read x, write x * 2
+    measured = f"matmul {flops / 1e12:.3g} TFLOP/s, memory {bandwidth / 1e9:.3g} GB/s"
+    if not on_tpu:
+        return f"{measured} per device ({name}; a CPU has no published peak to compare with)"
+    tpu = chip()
+    if tpu is None:
+        raise CheckFailed(f"{measured} per chip, but TPU type {accelerator_type()!r} has no published peak "
+                          f"in metrics.PEAK_FLOPS")
+    flops_ratio, bandwidth_ratio = flops / PEAK_FLOPS[tpu], bandwidth / HBM_BANDWIDTH[tpu]
+    measured = (f"matmul {flops / 1e12:.3g} TFLOP/s ({flops_ratio:.0%} of {tpu}'s {PEAK_FLOPS[tpu] / 1e12:.0f}), "
+                f"HBM {bandwidth / 1e9:.3g} GB/s ({bandwidth_ratio:.0%} of {HBM_BANDWIDTH[tpu] / 1e9:.0f}) per chip")
+    if min(flops_ratio, bandwidth_ratio) < MIN_FRACTION_OF_PEAK:
+        raise CheckFailed(f"{measured}: under {MIN_FRACTION_OF_PEAK:.0%} of the published peak")
+    return f"{measured} ({name})"
+
+
+def cpu_fallbacks(ops):
+    """The aten ops that ran on the CPU, without the device-value reads that are not fallbacks."""
+    return sorted(set(ops) - NOT_FALLBACKS)
+
+
+def check_fallbacks(args):
+    ops = cpu_fallbacks(met.executed_fallback_ops())
+    if ops:
+        raise CheckFailed(f"{len(ops)} aten ops ran on the CPU in the checks above: {', '.join(ops)}")
+    return "no aten op ran on the CPU in the checks above"
+
+
+CHECKS = (  # (name, check(args) -> what passed, the fix to print when it fails)
+    ("runtime", check_runtime,
+     "on a TPU VM: pip install -e '.[tpu]' (libtpu), unset PJRT_DEVICE, stop any process that holds the "
+     "chips (`tpu-info` lists them); on a CPU: --cpu-devices N or CPU_NUM_DEVICES=N"),
+    ("sharded matmul", check_matmul,
+     "the sharded result is wrong: reinstall torch_xla[tpu]==2.9.0 (torch_xla and libtpu must match)"),
+    ("training compiles", check_training,
+     "a step recompiles: run PT_XLA_DEBUG_LEVEL=2 python -m llama_xla_helpers.train --steps 5 and read "
+     "its compilation causes"),
+    ("generation compiles", check_generation,
+     "a value baked into the decode graph changes between calls: PT_XLA_DEBUG_LEVEL=2 names the cause"),
+    ("tensor parallel", check_tensor_parallel,
+     "sharding changes the model's output: run pytest tests/test_parallel.py to find the layer"),
+    ("speed", check_speed,
+     "another process may be using the chips (`tpu-info` shows their memory and duty cycle): stop it and "
+     "rerun; if it stays slow, recreate the TPU VM"),
+    ("no CPU fallback", check_fallbacks,
+     "each op copies tensors to the host and back and splits the graph: replace it, or move it out of "
+     "the step (torch_xla.debug.metrics.metrics_report() counts them)"),
+)
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1 (virtual CPU devices, e.g. 4)")
+    return value
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(prog="python -m llama_xla_helpers.doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu-devices", type=positive_int,
+                        help="virtual XLA devices on a CPU (default: CPU_NUM_DEVICES, else 8)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES),
+                        help="parameters of the training and generation checks (default: bf16 on a TPU, fp32 on a CPU)")
+    args = parser.parse_args(argv)
+    if args.cpu_devices and tpu_chips_present():
+        parser.error(f"--cpu-devices {args.cpu_devices} is for a machine without a TPU, and this one has TPU "
+                     f"chips; drop it")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # The other checks need the runtime: if it does not start, they would only repeat its error.
+    return run_checks(CHECKS[:1], args) or run_checks(CHECKS[1:], args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
