@@ -4,11 +4,22 @@
     init_optimizer_state(optimizer)                           # a fresh optimizer has no state to load into
     meta = load("ckpt", model, optimizer)                     # the newest complete checkpoint, in place
     export_hf(model, "hf"); hf = load_hf("hf")                # a plain CPU LlamaForCausalLM
+    shard_params(meta_model, mesh, init=hf_reader("hf"))      # or straight into the shards, block by block
 
 Every process writes only the shards its devices hold (torch.distributed.checkpoint with
-torch_xla's SPMD planners) into a hidden temporary folder; process 0 adds meta.json and
-renames the folder into place. A crash mid-save leaves the earlier checkpoints as they were.
-The directory must be a local or shared (NFS-like) file system where a rename is atomic.
+torch_xla's SPMD planners); process 0 writes meta.json last: a step_ folder is complete when
+it holds meta.json. So on a pod `directory` must be one folder that every host sees:
+
+- a path on a local disk (one host) or a shared file system (NFS, Filestore): the shards go
+  into a hidden temporary folder that process 0 renames into place, so a crash mid-save leaves
+  the earlier checkpoints as they were. (A GCS FUSE mount renames a folder by copying it, and
+  only if mounted with --rename-dir-limit: give it the gs:// URL instead.)
+- an fsspec URL, e.g. gs://bucket/run (pip install -e '.[gcs]' adds gcsfs): object stores
+  cannot rename, so the shards go straight into step_XXXXXXXX/, then meta.json.
+
+After a save every host checks that it sees the new checkpoint, and `latest` compares the step
+each host finds: a folder on each host's own disk gives every host the same clear error, not a
+hang or a silent restart from step 0.
 """
 import contextlib
 import dataclasses
@@ -16,20 +27,29 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
+from safetensors import safe_open
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner, prime_optimizer
 from transformers import LlamaForCausalLM
 
+from .model import safetensors_files
+
 META = "meta.json"
 STEP_DIR = re.compile(r"step_(\d{8,})")
+SHARED = ("checkpoint_dir must be one folder that every host sees: put it on a shared file system "
+          "(NFS, Filestore) or use a gs:// URL")
+VISIBLE_WAIT = 30  # seconds a host keeps looking for a checkpoint just saved (NFS may show new files late)
 
 
 class _SavePlanner(SPMDSavePlanner):
@@ -65,6 +85,23 @@ def _barrier(no_dist):
         dist.barrier()
 
 
+def _gather(value):
+    """Every host's `value` (picklable), in host order: [value] alone, else an all_gather over gloo."""
+    if _no_dist():
+        return [value]
+    values = [None] * xr.process_count()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _hosts(values):
+    """'host 0: step 2; hosts 1, 3: none': which hosts have which (string) value."""
+    groups = {}
+    for host, v in enumerate(values):
+        groups.setdefault(v, []).append(str(host))
+    return "; ".join(f"host{'s' * (len(h) > 1)} {', '.join(h)}: {v}" for v, h in groups.items())
+
+
 @contextlib.contextmanager
 def _quiet():
     """Silence the UserWarnings DCP and torch_xla raise on every call (single process, deprecated internals)."""
@@ -92,23 +129,88 @@ def _shapes(state, prefix=""):
     return out
 
 
+def _is_url(path):
+    """An fsspec URL (gs://bucket/run, memory://run), not a local or mounted path."""
+    return "://" in str(path)
+
+
+def _child(path, name):
+    """path/name: a Path for a local path, a string for a URL."""
+    return f"{str(path).rstrip('/')}/{name}" if _is_url(path) else Path(path) / name
+
+
+def _name(path):
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _step(path):
+    return int(STEP_DIR.fullmatch(_name(path))[1])
+
+
+def _fs(path):
+    """(fsspec file system, path inside it) of a URL or a local path, with no stale listing of it
+    (gcsfs caches listings, and other hosts write there too)."""
+    fs, inner = fsspec.core.url_to_fs(str(path))
+    fs.invalidate_cache(inner)
+    return fs, inner
+
+
+def _exists(path):
+    fs, inner = _fs(path)
+    return fs.exists(inner)
+
+
 def checkpoints(directory):
-    """The complete checkpoints in `directory` (step_XXXXXXXX folders holding meta.json), oldest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
+    """The complete checkpoints this host sees in `directory` (step_XXXXXXXX folders holding
+    meta.json), oldest first: Paths, or URL strings for a URL."""
+    fs, inner = _fs(directory)
+    if not fs.isdir(inner):
         return []
-    found = [p for p in directory.iterdir() if STEP_DIR.fullmatch(p.name) and (p / META).is_file()]
-    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name)[1]))
+    names = [_name(p) for p in fs.ls(inner, detail=False)]
+    found = [_child(directory, n) for n in names if STEP_DIR.fullmatch(n) and _exists(_child(directory, f"{n}/{META}"))]
+    return sorted(found, key=_step)
 
 
 def latest(directory):
-    """The newest complete checkpoint in `directory` (a Path), or None."""
+    """The newest complete checkpoint in `directory` (a Path, a string for a URL), or None.
+
+    On a pod every host calls it (as `train` does when resuming): the hosts compare the steps
+    they found, and all raise a ValueError if they differ, e.g. a checkpoint_dir on each host's
+    own disk, which only host 0 saved into.
+    """
     found = checkpoints(directory)
-    return found[-1] if found else None
+    newest = found[-1] if found else None
+    steps = _gather(_step(newest) if newest else None)
+    if len(set(steps)) > 1:
+        seen = _hosts(["none" if s is None else f"step {s}" for s in steps])
+        raise ValueError(f"the hosts see different newest checkpoints in {str(directory)!r} ({seen}); {SHARED}")
+    return newest
+
+
+def _check_everyone_sees(path, wait=0):
+    """Raise the same ValueError on every host if some, not all, cannot see path/meta.json.
+
+    `wait`: seconds to keep looking first (a file another host just wrote can show late on NFS).
+    """
+    file = _child(path, META)
+    deadline = time.monotonic() + wait
+    while not _exists(file) and time.monotonic() < deadline:
+        time.sleep(1)
+    seen = _gather(_exists(file))
+    if len(set(seen)) > 1:
+        raise ValueError(f"some hosts cannot see {file} ({_hosts(['seen' if s else 'missing' for s in seen])}); "
+                         f"{SHARED}")
 
 
 def _remove(path):
-    """Delete a folder: first renamed out of sight, so a crash mid-delete leaves no half checkpoint."""
+    """Delete a checkpoint so that a crash midway leaves nothing that looks complete: a folder
+    is first renamed out of sight; at a URL (no rename) meta.json goes first."""
+    if _is_url(path):
+        fs, inner = _fs(path)
+        if fs.exists(f"{inner}/{META}"):
+            fs.rm(f"{inner}/{META}")
+        fs.rm(inner, recursive=True)
+        return
     trash = path.with_name(".trash_" + path.name)
     shutil.rmtree(trash, ignore_errors=True)
     path.replace(trash)
@@ -116,10 +218,13 @@ def _remove(path):
 
 
 def save(directory, step, model, optimizer=None, extra=None, keep=3):
-    """Checkpoint `model` (and `optimizer`) at `step` into directory/step_{step:08d}/; returns that Path.
+    """Checkpoint `model` (and `optimizer`) at `step` into directory/step_{step:08d}/; returns that
+    Path (a string for a URL).
 
     `extra`: a JSON-able dict stored in meta.json (data position, seed, config, ...).
-    Every process of a pod calls this. Afterwards only the newest `keep` checkpoints remain.
+    Every process of a pod calls this; each then checks it sees the checkpoint (a ValueError on
+    every host if some cannot). Afterwards only the newest `keep` checkpoints remain.
+    At a URL a new save of an existing step deletes the old one first (no rename to wait for).
     """
     if keep < 1:
         raise ValueError(f"keep={keep} would delete the checkpoint just written; use keep >= 1")
@@ -131,18 +236,27 @@ def save(directory, step, model, optimizer=None, extra=None, keep=3):
                         f"e.g. dataclasses.asdict(cfg) or config.to_dict()") from None
     state = _state(model, optimizer)
     meta = dict(step=int(step), extra=extra, contents=list(state), tensors=_shapes(state))
-    final = Path(directory) / f"step_{step:08d}"
-    tmp = final.with_name(".tmp_" + final.name)
+    url = _is_url(directory)
+    final = _child(directory, f"step_{step:08d}")
+    tmp = final if url else final.with_name(".tmp_" + final.name)
     no_dist, lead = _no_dist(), xr.process_index() == 0
-    if lead:
+    if lead and url:
+        if _exists(final):  # an older or crashed save of this step
+            _remove(final)
+    elif lead:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     _barrier(no_dist)
     torch_xla.sync()
     xm.wait_device_ops()
+    # sync_files=False at a URL: an object is stored when its upload closes (DCP would call os.sync()).
+    writer = FsspecWriter(tmp, sync_files=False) if url else dcp.FileSystemWriter(tmp)
     with _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(), no_dist=no_dist)
-    if lead:
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=no_dist)
+    if lead and url:
+        with fsspec.open(_child(final, META), "w") as f:  # last: the checkpoint is complete
+            json.dump(meta, f, indent=1)
+    elif lead:
         with open(tmp / META, "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -150,17 +264,19 @@ def save(directory, step, model, optimizer=None, extra=None, keep=3):
         if final.exists():
             _remove(final)
         tmp.replace(final)  # atomic: readers see the checkpoint whole or not at all
+    if lead:
         for old in checkpoints(directory)[:-keep]:
             _remove(old)
     _barrier(no_dist)
+    _check_everyone_sees(final, VISIBLE_WAIT)
     return final
 
 
 def read_meta(path):
     """The meta.json of the checkpoint at `path`: step, extra, contents (model, optimizer), tensors ({name: shape})."""
-    file = Path(path) / META
+    file = _child(path, META)
     try:
-        with open(file) as f:
+        with fsspec.open(str(file), "r") as f:
             meta = json.load(f)
     except FileNotFoundError:
         raise ValueError(f"{file} is missing, so {path} is not a complete checkpoint; pass another "
@@ -197,8 +313,8 @@ def _check(meta, state, path):
 
 def _resolve(path):
     """A checkpoint folder as given, or the newest complete one inside a folder of checkpoints."""
-    path = Path(path)
-    if STEP_DIR.fullmatch(path.name) or (path / META).exists():
+    path = path if _is_url(path) else Path(path)
+    if STEP_DIR.fullmatch(_name(path)) or _exists(_child(path, META)):
         return path
     found = latest(path)
     if found is None:
@@ -221,16 +337,19 @@ def init_optimizer_state(optimizer):
 def load(path, model, optimizer=None):
     """Load a checkpoint into the sharded `model` (and `optimizer`) in place, keeping every sharding.
 
-    `path`: a step_XXXXXXXX folder, or a folder of them (the newest complete one is taken).
-    Names and shapes are checked against meta.json before any data is read. Returns the meta dict.
+    `path`: a step_XXXXXXXX folder, or a folder of them (the newest complete one is taken), or
+    their URL. Names and shapes are checked against meta.json before any data is read. Every
+    host of a pod calls this; all raise if some cannot see the checkpoint. Returns the meta dict.
     """
     path = _resolve(path)
+    _check_everyone_sees(path)
     meta = read_meta(path)
     state = _state(model, optimizer)
     _check(meta, state, path)
     torch_xla.sync()
     with _quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=SPMDLoadPlanner(), no_dist=_no_dist())
+        reader = FsspecReader(path) if _is_url(path) else dcp.FileSystemReader(path)
+        dcp.load(state, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=_no_dist())
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])  # param_groups (lr, ...); state tensors stay the same objects
     return meta
@@ -258,3 +377,38 @@ def load_hf(path):
     except OSError as e:
         raise ValueError(f"{str(path)!r} has a config.json but no readable weights ({e}); "
                          f"re-export it with export_hf") from None
+
+
+def hf_reader(path, dtype=torch.float32):
+    """`init(name, shape)` for `sharding.shard_params` that reads a local Hugging Face folder's weights.
+
+    `init` returns `read(index)`: the block at `index` (one slice per dim) of that tensor, read
+    from its *.safetensors file and cast to `dtype`, which `to_sharded` calls for the blocks of
+    this host's devices only. So a pod's hosts each read only their share, one tensor at a time,
+    and the whole model never sits in a host's memory (`load_hf` holds all of it).
+    """
+    path = Path(path)
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{str(path)!r} has no *.safetensors file (only those can be read block by block); convert "
+                         f"it once: LlamaForCausalLM.from_pretrained(path).save_pretrained(new_path)")
+    files = {}  # tensor name -> the .safetensors file holding it
+    for file in safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+
+    def init(name, shape):
+        if name not in files:
+            raise ValueError(f"{path} has no tensor {name!r} (the model expects shape {tuple(shape)}); pass a "
+                             f"folder written by export_hf or save_pretrained for this model")
+        with safe_open(files[name], "pt") as f:
+            saved = tuple(f.get_slice(name).get_shape())
+        if saved != tuple(shape):
+            raise ValueError(f"{name} has shape {saved} in {files[name]} but the model expects {tuple(shape)}; "
+                             f"build the model from {path / 'config.json'}")
+
+        def read(index):
+            with safe_open(files[name], "pt") as f:
+                return f.get_slice(name)[index].to(dtype)
+        read.shape = saved
+        return read
+    return init

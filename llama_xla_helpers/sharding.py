@@ -136,16 +136,31 @@ def shard_params(model, mesh, strategy="2d", init=None):
     return sharding_table(model)
 
 
-def to_sharded(cpu, mesh, spec):
-    """Upload a CPU tensor straight into its shards: each device receives only its block.
+def to_sharded(source, mesh, spec, shape=None):
+    """Upload a tensor straight into its shards: each device of this host receives only its block.
 
-    (`cpu.to(device)` then `mark_sharding` would first put a full copy on every device.)
+    `source`: a CPU tensor, or a function `read(index)` returning the block at `index` (a tuple
+    of slices, one per dim) as a CPU tensor, e.g. from a file (`checkpoint.hf_reader`), so the
+    whole tensor never exists on this host. A function needs the global `shape` (the argument,
+    else its `shape` attribute). Each distinct block is read once, even if several devices
+    hold it. (`cpu.to(device)` then `mark_sharding` would first put a full copy on every device.)
     """
-    placeholder = torch.empty(cpu.shape, dtype=cpu.dtype, device=torch_xla.device())  # IR only, no data
+    shape = tuple(source.shape if shape is None else shape)
+    read = source if callable(source) else source.__getitem__
+    placeholder = torch.empty(shape, device=torch_xla.device())  # IR only, no data
     xs.mark_sharding(placeholder, mesh, spec)
-    blocks = torch_xla._XLAC._get_local_shard_replica_and_indices([placeholder])[0]
-    shards = [cpu[index if index is Ellipsis else tuple(index)].contiguous() for _, index in blocks]  # ...: replicated
-    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(spec), list(cpu.shape))
+    blocks = {}  # ((start, stop) per dim) -> block
+    shards = []
+    for _, index in torch_xla._XLAC._get_local_shard_replica_and_indices([placeholder])[0]:
+        index = tuple(slice(0, n) for n in shape) if index is Ellipsis else tuple(index)  # ...: replicated
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in blocks:
+            blocks[key] = read(index).contiguous()
+            if blocks[key].shape != tuple(b - a for a, b in key):
+                raise ValueError(f"read({index}) returned shape {tuple(blocks[key].shape)}, not the block's "
+                                 f"{tuple(b - a for a, b in key)}; return the block of the whole {shape} tensor")
+        shards.append(blocks[key])
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(spec), list(shape))
 
 
 def shard_shape(t):

@@ -130,20 +130,17 @@ def init_weights(config, seed, dtype=torch.float32):
 
 
 def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch.float32):
-    """A sharded LlamaForCausalLM: from `init_from` (a local HF directory) or built on the meta
-    device and materialized one parameter at a time, so the unsharded model never sits in host memory.
+    """A sharded LlamaForCausalLM, built on the meta device and materialized one parameter at a
+    time, so the unsharded model never sits in host memory: random weights, or those of `init_from`
+    (a local HF directory), of which each host reads only the blocks its devices hold.
 
     dtype: of the parameters (bf16 on a TPU). Norms, softmax, the loss and Adafactor's state and
     update are computed in fp32 whatever it is."""
-    if init_from:
-        model = checkpoint.load_hf(init_from)
-    else:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffer, computed on the CPU
-    if init_from:
-        model.to(dtype)
-    shard_params(model, mesh, strategy, init=init_weights(config, seed, dtype))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffer, computed on the CPU
+    init = checkpoint.hf_reader(init_from, dtype) if init_from else init_weights(config, seed, dtype)
+    shard_params(model, mesh, strategy, init=init)
     if strategy == "2d":
         shard_activations(model, mesh)
     return model

@@ -1,13 +1,15 @@
 import json
 import os
 
+import fsspec
 import pytest
 import torch
 import torch_xla
+import torch_xla.runtime as xr
 from util import hf_model
 
 from llama_xla_helpers import checkpoint
-from llama_xla_helpers.checkpoint import export_hf, init_optimizer_state, latest, load, load_hf, save
+from llama_xla_helpers.checkpoint import checkpoints, export_hf, init_optimizer_state, latest, load, load_hf, save
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.sharding import shard_activations, shard_params
@@ -159,3 +161,80 @@ def test_export_hf_matches_sharded_logits(mesh, tmp_path):
         torch.testing.assert_close(hf(ids).logits, expected, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="no config.json"):
         load_hf(tmp_path)
+
+
+@pytest.fixture(params=["memory", "file"])
+def url(request, tmp_path):
+    """A folder given as an fsspec URL: in fsspec's in-memory file system, or file:// on disk."""
+    if request.param == "file":
+        yield f"file://{tmp_path}/run"
+        return
+    root = f"memory://{tmp_path.name}/run"  # the memory file system is one per process: a folder per test
+    yield root
+    fsspec.filesystem("memory").rm(f"/{tmp_path.name}", recursive=True)
+
+
+def test_url_save_load_keep_and_a_crashed_save(mesh, url, monkeypatch):
+    model = sharded(mesh)
+    first = save(url, 1, model, keep=2)
+    assert first == latest(url) == f"{url}/step_00000001"
+    real_save = checkpoint.dcp.save
+
+    def crash(*args, **kwargs):  # every shard written into step_00000002/, then killed before meta.json
+        real_save(*args, **kwargs)
+        raise RuntimeError("killed mid-save")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        save(url, 2, model, keep=2)
+    fs, root = fsspec.core.url_to_fs(url)
+    assert fs.exists(f"{root}/step_00000002/.metadata")  # the shards are there, in place ...
+    assert checkpoints(url) == [first] and latest(url) == first  # ... but without meta.json it is not a checkpoint
+    monkeypatch.undo()
+
+    for step in (2, 3):
+        save(url, step, model, keep=2)
+    assert checkpoints(url) == [f"{url}/step_00000002", f"{url}/step_00000003"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == ["step_00000002", "step_00000003"]
+    fresh = sharded(mesh, seed=1)
+    assert load(url, fresh)["step"] == 3
+    for (name, a), b in zip(on_cpu(dict(fresh.named_parameters())).items(), model.parameters()):
+        assert torch.equal(a, b.detach().cpu()), name
+
+
+def as_host(monkeypatch, index, others):
+    """Pretend to be host `index` of a pod; `others` (host -> value) plays the other hosts in each gather."""
+    n = len(others) + 1
+    monkeypatch.setattr(xr, "process_index", lambda: index)
+    monkeypatch.setattr(xr, "process_count", lambda: n)
+    monkeypatch.setattr(checkpoint, "_gather", lambda value: [others.get(h, value) for h in range(n)])
+
+
+def test_hosts_agree_on_the_resume_step_or_all_raise(mesh, tmp_path, monkeypatch):
+    model = sharded(mesh)
+    for step in (1, 2):
+        save(tmp_path, step, model)
+    as_host(monkeypatch, 1, {0: 2})  # host 0 sees step 2, as this host does
+    assert latest(tmp_path) == tmp_path / "step_00000002"
+    as_host(monkeypatch, 1, {0: 3})  # host 0 saved step 3, which this host does not see
+    with pytest.raises(ValueError, match=r"hosts see different newest checkpoints in .*\(host 0: step 3; host 1: "
+                                         r"step 2\); checkpoint_dir must be one folder that every host sees.*gs://"):
+        latest(tmp_path)
+    as_host(monkeypatch, 2, {0: 2, 1: 2})  # hosts 0 and 1 see step 2; this one's own disk has none
+    with pytest.raises(ValueError, match=r"\(hosts 0, 1: step 2; host 2: none\).*shared file system"):
+        latest(tmp_path / "elsewhere")
+
+
+def test_a_host_that_cannot_see_what_host_0_saved_raises(mesh, tmp_path, monkeypatch):
+    model = sharded(mesh)
+    # This is host 1 of 2; its checkpoint_dir is on its own disk, so host 0's meta.json and rename
+    # never show here. DCP runs as one process (no gloo group in a test); the gather is faked.
+    as_host(monkeypatch, 1, {0: True})
+    monkeypatch.setattr(checkpoint, "_no_dist", lambda: True)
+    monkeypatch.setattr(checkpoint, "VISIBLE_WAIT", 0)
+    message = r"some hosts cannot see .*step_00000001/meta\.json \(host 0: seen; host 1: missing\); checkpoint_dir"
+    with pytest.raises(ValueError, match=message):
+        save(tmp_path, 1, model)
+    assert os.listdir(tmp_path) == [".tmp_step_00000001"]  # host 1 wrote only its shards
+    with pytest.raises(ValueError, match=message):  # and a load of host 0's checkpoint by its path
+        load(tmp_path / "step_00000001", model)
