@@ -383,7 +383,7 @@ def hf_reader(path, dtype=torch.float32):
     """`init(name, shape)` for `sharding.shard_params` that reads a local Hugging Face folder's weights.
 
     `init` returns `read(index)`: the block at `index` (one slice per dim) of that tensor, read
-    from its *.safetensors file and cast to `dtype`, which `to_sharded` calls for the blocks of
+    from its *.safetensors file and cast to `dtype` (None: as saved), which `to_sharded` calls for the blocks of
     this host's devices only. So a pod's hosts each read only their share, one tensor at a time,
     and the whole model never sits in a host's memory (`load_hf` holds all of it).
     """
@@ -408,7 +408,8 @@ def hf_reader(path, dtype=torch.float32):
 
         def read(index):
             with safe_open(files[name], "pt") as f:
-                return f.get_slice(name)[index].to(dtype)
+                block = f.get_slice(name)[index]
+                return block if dtype is None else block.to(dtype)
         read.shape = saved
         return read
     return init

@@ -78,6 +78,14 @@ class ModelArgs:
             tie_word_embeddings=config.tie_word_embeddings,
         )
 
+    @classmethod
+    def from_pretrained(cls, path, max_batch_size, max_seq_len):
+        """ModelArgs of a local Hugging Face checkpoint directory's config.json."""
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{path} has no config.json: expected a local Hugging Face checkpoint directory")
+        return cls.from_hf_config(LlamaConfig.from_json_file(file), max_batch_size, max_seq_len)
+
 
 def rope_args(config):
     """rope_theta and rope_scaling of a LlamaConfig. Transformers 5 keeps both in
@@ -300,11 +308,13 @@ class Llama(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, max_batch_size, max_seq_len):
-        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors)."""
+        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors).
+
+        The whole model passes through host memory; on a pod, `parallel.load_for_inference`
+        reads only each host's blocks instead.
+        """
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json: expected a local Hugging Face checkpoint directory")
-        args = ModelArgs.from_hf_config(LlamaConfig.from_json_file(path / "config.json"), max_batch_size, max_seq_len)
+        args = ModelArgs.from_pretrained(path, max_batch_size, max_seq_len)
         state = {}
         for file in safetensors_files(path):
             state.update(load_file(file))

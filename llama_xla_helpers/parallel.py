@@ -1,6 +1,7 @@
 """Tensor parallelism for the inference Llama, and KV-head replication for meshes wider than n_kv_heads.
 
     model = shard_for_inference(Llama.from_hf(hf, max_batch_size=8, max_seq_len=512), mesh)
+    model = load_for_inference("llama-dir", mesh, max_batch_size=8, max_seq_len=512)  # a pod: blocks only
 
 Megatron sharding over the mesh's 'model' axis, as fairscale does for Llama (seeds/003):
 q/k/v and gate/up are column-parallel (output features split: each device owns whole heads
@@ -27,7 +28,8 @@ from transformers import LlamaConfig
 
 from . import hlo
 from .cli import ArgumentParser, user_errors
-from .model import Llama, safetensors_files
+from .checkpoint import hf_reader
+from .model import Llama, ModelArgs, rope_tables, safetensors_files
 from .sharding import axis_size, check_divisible, to_sharded
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -86,7 +88,7 @@ def check_tensor_parallel(args, mesh):
                          f"{data}; build the model with a max_batch_size that is a multiple of {data}")
 
 
-def shard_for_inference(model, mesh):
+def shard_for_inference(model, mesh, init=None):
     """Put a CPU `Llama` on the XLA devices, Megatron-sharded over mesh axis 'model'; returns it.
 
     Quantized models (`quantize.quantize`) too: their integer codes, scales and zeros are
@@ -94,6 +96,10 @@ def shard_for_inference(model, mesh):
 
     A 1-D ('model',) mesh is pure tensor parallelism; a ('data', 'model') mesh also splits
     the batch (the KV cache's and the inputs', see `Generator`) over 'data'.
+
+    Weights still on the meta device are read by `init(name, shape)`, which returns
+    `read(index)` for `to_sharded` (see `load_for_inference`). The KV caches are created
+    block by block, so no whole tensor needs to exist on the host.
     """
     check_tensor_parallel(model.args, mesh)
     tp = axis_size(mesh, "model")
@@ -107,19 +113,43 @@ def shard_for_inference(model, mesh):
         check_divisible(name, t.shape, specs[name], mesh)
     for name, t in tensors.items():
         owner, _, leaf = name.rpartition(".")
-        sharded = to_sharded(t.detach().cpu(), mesh, specs[name])
+        source = init(name, tuple(t.shape)) if t.is_meta else t.detach().cpu()
+        sharded = to_sharded(source, mesh, specs[name], t.shape)
         if isinstance(t, torch.nn.Parameter):
             sharded = torch.nn.Parameter(sharded, requires_grad=False)
         setattr(model.get_submodule(owner), leaf, sharded)  # a registered buffer stays a buffer
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    dtype = model.embed_tokens.weight.dtype
     for layer in model.layers:
         cache = layer.self_attn.kv_cache
-        cache.k_cache = to_sharded(cache.k_cache.cpu(), mesh, cache_spec(mesh))
-        cache.v_cache = to_sharded(cache.v_cache.cpu(), mesh, cache_spec(mesh))
-    model.rope_cos, model.rope_sin = model.rope_cos.to(torch_xla.device()), model.rope_sin.to(torch_xla.device())
+        cache.k_cache = to_sharded(_zeros(dtype), mesh, cache_spec(mesh), cache.k_cache.shape)
+        cache.v_cache = to_sharded(_zeros(dtype), mesh, cache_spec(mesh), cache.v_cache.shape)
+    cos, sin = rope_tables(model.args)
+    model.rope_cos, model.rope_sin = cos.to(torch_xla.device(), dtype), sin.to(torch_xla.device(), dtype)
     model.mesh = mesh
     return model
+
+
+def _zeros(dtype):
+    """`read(index)` for `to_sharded`: a block of zeros."""
+    return lambda index: torch.zeros([s.stop - s.start for s in index], dtype=dtype)
+
+
+def load_for_inference(path, mesh, max_batch_size, max_seq_len, dtype=None):
+    """`shard_for_inference(Llama.from_pretrained(path, ...), mesh)` for a pod: each host reads
+    only the blocks of each weight that its own devices hold, one tensor at a time, from the
+    local Hugging Face folder's *.safetensors (in the saved dtype, unless `dtype`), so the whole
+    model never sits in a host's memory."""
+    with torch.device("meta"):
+        model = Llama(ModelArgs.from_pretrained(path, max_batch_size, max_seq_len)).eval()
+    read = hf_reader(path, dtype)
+    return shard_for_inference(model, mesh, lambda name, shape: read(hf_name(name), shape))
+
+
+def hf_name(name):
+    """The Hugging Face name of a `Llama` tensor: 'layers.0.self_attn.q_proj.weight' -> 'model.layers.0...'."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
 
 
 def decode_collectives(model, batch_size=1):

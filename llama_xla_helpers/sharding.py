@@ -14,7 +14,6 @@ from functools import partial
 
 import torch
 import torch_xla
-import torch_xla.distributed.parallel_loader as pl
 import torch_xla.distributed.spmd as xs
 from torch_xla.distributed.spmd.xla_sharding import apply_xla_patch_to_nn_linear, wrap_as_sharded_tensor
 from transformers import AttentionInterface
@@ -122,15 +121,19 @@ def shard_params(model, mesh, strategy="2d", init=None):
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {STRATEGIES}")
-    specs = {n: param_spec(n, p.shape, mesh, strategy) for n, p in model.named_parameters()}
+    aliases = {}  # parameter -> its names: tied embeddings are one tensor under two names
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(p, []).append(n)
+    specs = {n: param_spec(n, p.shape, mesh, strategy) for p, names in aliases.items() for n in names}
     for n, p in model.named_parameters():
         check_divisible(n, p.shape, specs[n], mesh)
     apply_xla_patch_to_nn_linear(model)
-    for n, p in list(model.named_parameters()):
-        owner, _, leaf = n.rpartition(".")
+    for p, (n, *tied) in aliases.items():
         data = init(n, tuple(p.shape)) if p.is_meta else p.detach().cpu()
         param = torch.nn.Parameter(to_sharded(data, mesh, specs[n]), requires_grad=p.requires_grad)
-        setattr(model.get_submodule(owner), leaf, param)
+        for name in (n, *tied):  # every name keeps pointing at the one (sharded) tensor
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, param)
     model.to(torch_xla.device())  # buffers
     model.partition_specs = specs
     return sharding_table(model)
@@ -289,18 +292,30 @@ def input_sharding(mesh):
     return xs.ShardingSpec(mesh, batch_spec(INPUT_SPEC, mesh))
 
 
-def sharded_loader(dataset, batch_size, mesh, **kwargs):
-    """A DataLoader fed through MpDeviceLoader with `input_sharding(mesh)`.
+def sharded_loader(dataset, batch_size, mesh, sampler=None):
+    """Batches of a TensorDataset of (n, seqlen) tensors as XLA tensors sharded by `input_sharding(mesh)`.
 
-    drop_last=True (the post's caveat: a smaller last batch cannot be split on 'data').
+    Yields a tuple per batch, as a DataLoader would. Each host reads only the rows its own
+    devices hold (`to_sharded`): on a pod, its slice of the global batch, never all of it.
+    (MpDeviceLoader with `input_sharding`, the post's lines, gives the same tensors, but every
+    host reads the whole batch first.) `sampler` orders the rows; a short last batch is dropped
+    (the post's caveat: it cannot be split on 'data').
     """
     axes = batch_axes(mesh)
     k = axis_size(mesh, axes)
     if batch_size % k:
         raise ValueError(f"batch_size {batch_size} is not divisible by the {axes!r} axis of size {k}; "
                          f"use a multiple of {k}")
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True, **kwargs)
-    return pl.MpDeviceLoader(loader, torch_xla.device(), input_sharding=input_sharding(mesh))
+    order = torch.utils.data.SequentialSampler(dataset) if sampler is None else sampler
+    return _sharded_batches(dataset.tensors, torch.utils.data.BatchSampler(order, batch_size, drop_last=True), mesh)
+
+
+def _sharded_batches(tensors, batches, mesh):
+    spec = batch_spec(INPUT_SPEC, mesh)
+    for rows in map(torch.tensor, batches):
+        # read(index) for to_sharded: one device block's rows and columns of the batch, and no others
+        yield tuple(to_sharded(lambda index, t=t: t[rows[index[0]]][:, index[1]], mesh, spec, (len(rows), t.shape[1]))
+                    for t in tensors)
 
 
 def device_blocks(t):
