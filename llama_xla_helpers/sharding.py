@@ -150,12 +150,9 @@ def to_sharded(source, mesh, spec, shape=None):
     """
     shape = tuple(source.shape if shape is None else shape)
     read = source if callable(source) else source.__getitem__
-    placeholder = torch.empty(shape, device=torch_xla.device())  # IR only, no data
-    xs.mark_sharding(placeholder, mesh, spec)
     blocks = {}  # ((start, stop) per dim) -> block
     shards = []
-    for _, index in torch_xla._XLAC._get_local_shard_replica_and_indices([placeholder])[0]:
-        index = tuple(slice(0, n) for n in shape) if index is Ellipsis else tuple(index)  # ...: replicated
+    for index in local_blocks(mesh, spec, shape):
         key = tuple((s.start, s.stop) for s in index)
         if key not in blocks:
             blocks[key] = read(index).contiguous()
@@ -164,6 +161,26 @@ def to_sharded(source, mesh, spec, shape=None):
                                  f"{tuple(b - a for a, b in key)}; return the block of the whole {shape} tensor")
         shards.append(blocks[key])
     return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(spec), list(shape))
+
+
+# (str(mesh), spec, shape) -> local_blocks' answer
+_LOCAL_BLOCKS = {}
+
+
+def local_blocks(mesh, spec, shape):
+    """The block (a tuple of slices, one per dim) that each of this host's devices holds of a
+    tensor of `shape` sharded by `spec`, in the order of the devices.
+
+    Asked of torch_xla once per (mesh, spec, shape), on a placeholder: making its data compiles
+    and runs one small graph, which a training loop should not do for every batch.
+    """
+    key = (str(mesh), tuple(spec), tuple(shape))
+    if key not in _LOCAL_BLOCKS:
+        placeholder = torch.empty(shape, device=torch_xla.device())
+        xs.mark_sharding(placeholder, mesh, spec)
+        _LOCAL_BLOCKS[key] = [tuple(slice(0, n) for n in shape) if index is Ellipsis else tuple(index)  # ...: whole
+                              for _, index in torch_xla._XLAC._get_local_shard_replica_and_indices([placeholder])[0]]
+    return _LOCAL_BLOCKS[key]
 
 
 def shard_shape(t):
@@ -306,6 +323,8 @@ def sharded_loader(dataset, batch_size, mesh, sampler=None):
     if batch_size % k:
         raise ValueError(f"batch_size {batch_size} is not divisible by the {axes!r} axis of size {k}; "
                          f"use a multiple of {k}")
+    for t in dataset.tensors:  # here, not at the first batch (a training loop counts its compiles)
+        local_blocks(mesh, batch_spec(INPUT_SPEC, mesh), (batch_size, t.shape[1]))
     order = torch.utils.data.SequentialSampler(dataset) if sampler is None else sampler
     return _sharded_batches(dataset.tensors, torch.utils.data.BatchSampler(order, batch_size, drop_last=True), mesh)
 
