@@ -4,7 +4,10 @@
     cfg = get_config("tiny", num_key_value_heads=8)  # any LlamaConfig field can be overridden
 
 Only `tiny` is small enough to instantiate on a CPU; the others are for sizing
-(metrics.plan, metrics.flops_per_token) and for meta-device sharding demos.
+(metrics.plan, metrics.flops_per_token) and for meta-device sharding demos. `llama-175b` is
+the hypothetical model of the LLaMA 65B latency post: "The Path to Achieve Ultra-Low Inference
+Latency With LLaMA 65B on PyTorch/XLA", PyTorch blog,
+https://pytorch.org/blog/path-achieve-low-inference-latency/
 """
 import copy
 import inspect
@@ -44,7 +47,7 @@ CONFIGS = {
         rope_parameters=ROPE_10K, rms_norm_eps=1e-6,
     ),
     # OPT-175B's dims (d=12288, 96 layers, 96 heads) on the LLaMA code, as in the LLaMA 65B
-    # latency post (seeds/002, Table 1). LLaMA sizes its SwiGLU MLP as 8d/3 rounded up to a
+    # latency post (Table 1). LLaMA sizes its SwiGLU MLP as 8d/3 rounded up to a
     # multiple of 256, which for d=12288 is 32768.
     "llama-175b": dict(
         vocab_size=32000, hidden_size=12288, intermediate_size=32768, num_hidden_layers=96,

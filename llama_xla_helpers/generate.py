@@ -3,12 +3,17 @@
     gen = Generator(model, buckets=(128, 256, 384, 512))
     tokens, stats = gen.generate(prompt_tokens, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0)
 
-XLA compiles one graph per distinct input shape (seeds/002). So the prompts are left-padded
+XLA compiles one graph per distinct input shape (the LLaMA 65B latency post). So the prompts are left-padded
 to a bucket length (one prefill graph per bucket; a prompt longer than the largest bucket is
 prefilled section by section), and every decode step feeds the same shapes: one token per
 row, its cache slot, temperature and top-p as device tensors, the generated tokens written
 into a fixed (bsz, max_seq_len) buffer with `index_copy`. The host only looks at a device
-value every `eos_check_interval` steps, to learn whether every row has produced EOS (seeds/000).
+value every `eos_check_interval` steps, to learn whether every row has produced EOS (the Llama 2 post).
+
+Sources: the LLaMA 65B latency post, "The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B
+on PyTorch/XLA", PyTorch blog, https://pytorch.org/blog/path-achieve-low-inference-latency/; the
+Llama 2 post, "High-Performance Llama 2 Training and Inference with PyTorch/XLA on Cloud TPUs",
+PyTorch blog, https://pytorch.org/blog/high-performance-llama-2/
 """
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +31,7 @@ from .sharding import Constraint
 
 @dataclass
 class Stats:
-    """Timings with the definitions of seeds/002: B batch size, L generated length, T time."""
+    """Timings with the LLaMA 65B latency post's definitions: B batch size, L generated length, T time."""
 
     batch_size: int     # B
     new_tokens: int     # L: tokens generated per row (all rows step together, EOS or not)
@@ -198,7 +203,7 @@ class Generator:
         steps = 1  # prefill made the first token
         while steps < max_new_tokens:
             if check_eos and steps % self.eos_check_interval == 0 and state[5].item():
-                break  # the one read of a device value, every eos_check_interval steps (seeds/000)
+                break  # the one read of a device value, every eos_check_interval steps (Llama 2 post)
             tokens, input_pos, out_pos, out, done, _ = state
             state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling)
             torch_xla.sync()

@@ -1,7 +1,14 @@
 """Back-of-the-envelope arithmetic: parameters, FLOPs, MFU, memory, chips, cost.
 
-Each function is one formula from a source post (shared/seeds), so a notebook can print
-the post's number next to ours. Nothing here touches a device except `count_compiles`.
+Each function is one formula from a source post, so a notebook can print the post's number
+next to ours. Nothing here touches a device except `count_compiles`. The posts:
+
+- the Llama 2 post: "High-Performance Llama 2 Training and Inference with PyTorch/XLA on Cloud
+  TPUs", PyTorch blog, https://pytorch.org/blog/high-performance-llama-2/
+- the LLaMA 65B latency post: "The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B
+  on PyTorch/XLA", PyTorch blog, https://pytorch.org/blog/path-achieve-low-inference-latency/
+- the FSDP post: "Maximizing Training Throughput Using PyTorch FSDP", PyTorch blog,
+  https://pytorch.org/blog/maximizing-training/
 
     cfg = get_config("llama2-70b")
     mfu(370, cfg, seq_len=4096, peak_flops=PEAK_FLOPS["a100"])   # ~0.53 (post: 0.50)
@@ -19,8 +26,8 @@ PEAK_FLOPS = {
     "h100": 989e12,
 }
 
-# HBM per chip in bytes. Cloud TPU docs give these in GiB (2**30 bytes). The LLaMA latency
-# post (seeds/002) writes "32GB" for v4 and its Table 2 divides by 32e9 (decimal GB):
+# HBM per chip in bytes. Cloud TPU docs give these in GiB (2**30 bytes). The LLaMA 65B
+# latency post writes "32GB" for v4 and its Table 2 divides by 32e9 (decimal GB):
 # pass hbm_bytes=32e9 to min_chips to reproduce that table.
 GiB = 2**30
 HBM_BYTES = {
@@ -72,7 +79,7 @@ def param_count(config):
 
 
 def approx_params(config):
-    """N = 12 * d**2 * n_layers: the LLaMA latency post's sizing formula (seeds/002).
+    """N = 12 * d**2 * n_layers: the LLaMA 65B latency post's sizing formula.
 
     4*d**2 for attention plus 8*d**2 for the MLP; ignores embeddings, norms, GQA and the
     real MLP width, so compare it with `param_count` before trusting it.
@@ -86,7 +93,7 @@ def flops_per_token(config, seq_len):
     N counts the weights that do a matmul per token: every parameter except an untied
     input embedding table, which is only a lookup (nanoGPT keeps its tied wte in N because
     it is the output layer). L layers, H query heads, Q head_dim, T = seq_len. This is the
-    method the FSDP post (seeds/004) names for its MFU column.
+    method the FSDP post names for its MFU column.
     """
     _check_positive(seq_len=seq_len)
     lookup_only = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
@@ -98,7 +105,7 @@ def flops_per_token(config, seq_len):
 def mfu(tokens_per_sec_per_chip, config, seq_len, peak_flops):
     """Model FLOPs utilization = tokens/s/chip * flops_per_token / peak FLOP/s per chip.
 
-    Model FLOPs ignore recomputation (activation checkpointing), unlike HFU (seeds/004).
+    Model FLOPs ignore recomputation (activation checkpointing), unlike HFU (the FSDP post).
     """
     _check_positive(tokens_per_sec_per_chip=tokens_per_sec_per_chip, peak_flops=peak_flops)
     return tokens_per_sec_per_chip * flops_per_token(config, seq_len) / peak_flops
@@ -113,7 +120,7 @@ def param_bytes(config, bytes_per_param=2):
 def kv_cache_bytes(config, batch_size, max_seq_len, bytes_per_value=2):
     """KV cache = layers * 2 (K and V) * batch * seq * n_kv_heads * head_dim * bytes.
 
-    The LLaMA latency post (seeds/002) writes `dim` for n_kv_heads * head_dim, which is
+    The LLaMA 65B latency post writes `dim` for n_kv_heads * head_dim, which is
     the same for multi-head attention; with GQA the cache shrinks by heads / kv_heads.
     """
     _check_positive(batch_size=batch_size, max_seq_len=max_seq_len, bytes_per_value=bytes_per_value)
@@ -127,7 +134,7 @@ def min_chips(total_bytes, hbm_bytes, power_of_two=True):
     ceil(total_bytes / hbm_bytes), rounded up to a power of two by default because TPU
     slices and even mesh axes come in powers of two (v4-16 = 8 chips: a v4-N name counts
     TensorCores, 2 per chip). power_of_two=False gives the bare ceiling, which is what
-    Table 2 of the LLaMA latency post (seeds/002) lists (3, 5, 11 chips).
+    Table 2 of the LLaMA 65B latency post lists (3, 5, 11 chips).
     Ignores activations and XLA scratch space, so it is a lower bound.
     """
     _check_positive(total_bytes=total_bytes, hbm_bytes=hbm_bytes)
@@ -136,7 +143,7 @@ def min_chips(total_bytes, hbm_bytes, power_of_two=True):
 
 
 def plan(config, chip, batch_size, max_seq_len, quantization="bf16"):
-    """Serving memory plan: weights + bf16 KV cache, and the chips that hold them (seeds/002).
+    """Serving memory plan: weights + bf16 KV cache, and the chips that hold them (LLaMA 65B latency post).
 
     quantization is "bf16" (2 bytes/param), "int8" (1) or "int4" (0.5), weight-only.
     """
@@ -157,7 +164,7 @@ def plan(config, chip, batch_size, max_seq_len, quantization="bf16"):
 def cost_per_1k_tokens(tokens_per_sec_per_chip, price_per_chip_hour):
     """Dollars per 1,000 generated tokens = price per chip-hour / (tokens/s/chip * 3600) * 1000.
 
-    The Llama 2 post (seeds/000) quotes $0.0036 per 1,000 tokens for 70B int8 on v5e.
+    The Llama 2 post quotes $0.0036 per 1,000 tokens for 70B int8 on v5e.
     """
     _check_positive(tokens_per_sec_per_chip=tokens_per_sec_per_chip,
                     price_per_chip_hour=price_per_chip_hour)

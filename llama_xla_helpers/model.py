@@ -7,7 +7,9 @@
 Every step has the same shapes whatever the position: the cache is written with
 `index_copy_` at the slots in the `input_pos` tensor, and attention reads the whole cache
 (max_seq_len keys) under a mask. On XLA that is one compiled graph per input shape: one per
-prefill bucket, one for all decode steps (seeds/002).
+prefill bucket, one for all decode steps (the LLaMA 65B latency post: "The Path to Achieve
+Ultra-Low Inference Latency With LLaMA 65B on PyTorch/XLA", PyTorch blog,
+https://pytorch.org/blog/path-achieve-low-inference-latency/).
 
 Batches mix prompt lengths by left-padding: row b has `pad[b]` padding slots, so all rows
 write the same slots, and row b's token at slot p has RoPE position p - pad[b], as if it

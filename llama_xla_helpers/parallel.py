@@ -3,18 +3,23 @@
     model = shard_for_inference(Llama.from_hf(hf, max_batch_size=8, max_seq_len=512), mesh)
     model = load_for_inference("llama-dir", mesh, max_batch_size=8, max_seq_len=512)  # a pod: blocks only
 
-Megatron sharding over the mesh's 'model' axis, as fairscale does for Llama (seeds/003):
+Megatron sharding over the mesh's 'model' axis, as fairscale does for Llama (the Llama 3.1 70B post):
 q/k/v and gate/up are column-parallel (output features split: each device owns whole heads
 and a slice of the MLP), o_proj and down_proj row-parallel (input features split: each
 device holds a partial sum that one all-reduce completes), the embedding and the output
-projection vocabulary-parallel (the logits are all-gathered), and the KV cache split on heads,
-so attention runs locally. GSPMD inserts the collectives; `decode_collectives` counts them.
+projection vocabulary-parallel (the logits stay split: a greedy pick all-gathers only each
+shard's best value and index, see `decode_collectives`), and the KV cache split on heads, so
+attention runs locally. GSPMD inserts the collectives; `decode_collectives` counts them.
 
 Grouped-query attention caps the 'model' axis at n_kv_heads. `replicate_kv_heads` copies
-each key/value head so a wider axis still splits the cache (seeds/000: Llama 2 70B's 8 KV
+each key/value head so a wider axis still splits the cache (the Llama 2 post: Llama 2 70B's 8 KV
 heads on 16 chips); the CLI does the same to a checkpoint directory:
 
     python -m llama_xla_helpers.parallel reshard SRC DST --factor 2
+
+Sources: the Llama 3.1 70B post, Subrata Goswami, "Under the Hood of Llama 3.1 70B Distributed
+Inference", Medium, September 2024; the Llama 2 post, "High-Performance Llama 2 Training and
+Inference with PyTorch/XLA on Cloud TPUs", PyTorch blog, https://pytorch.org/blog/high-performance-llama-2/
 """
 import dataclasses
 import json
@@ -157,7 +162,7 @@ def decode_collectives(model, batch_size=1):
 
     Returns hlo.collectives' ({op: count}, {op: bytes per device}). Needs the HLO dump of
     `init_runtime(hlo_dump_dir=...)` and a graph not compiled before (see `hlo.compiled_hlo`).
-    seeds/003 predicts one all-reduce for the vocabulary-parallel embedding, one after each
+    The Llama 3.1 70B post predicts one all-reduce for the vocabulary-parallel embedding, one after each
     row-parallel layer (o_proj, down_proj: 2 per block), and an all-gather of the
     vocabulary-parallel logits; for argmax GSPMD gathers only each shard's best (value, index).
     """

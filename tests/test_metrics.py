@@ -1,3 +1,12 @@
+"""The formulas of llama_xla_helpers.metrics against the numbers the source posts print.
+
+- the Llama 2 post: "High-Performance Llama 2 Training and Inference with PyTorch/XLA on Cloud TPUs",
+  PyTorch blog, https://pytorch.org/blog/high-performance-llama-2/
+- the LLaMA 65B latency post: "The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B on
+  PyTorch/XLA", PyTorch blog, https://pytorch.org/blog/path-achieve-low-inference-latency/
+- the FSDP post: "Maximizing Training Throughput Using PyTorch FSDP", PyTorch blog,
+  https://pytorch.org/blog/maximizing-training/
+"""
 import pytest
 from transformers import LlamaForCausalLM
 
@@ -48,7 +57,7 @@ def test_flops_per_token_by_hand():
     assert mfu(1000, cfg, 2048, peak_flops=17511168 * 1000) == pytest.approx(1.0)
 
 
-# seeds/004 (FSDP post), Table 1: Llama 2 at 4k sequence length, batch 2 per GPU.
+# The FSDP post, Table 1: Llama 2 at 4k sequence length, batch 2 per GPU.
 # (size, tokens/s/GPU on A100, MFU on A100, tokens/s/GPU on H100, MFU on H100)
 FSDP_TABLE = [
     ("7B", 3700, 0.57, 7500, 0.37),
@@ -76,7 +85,7 @@ def test_fsdp_table_mfu(size, a100_tps, a100_mfu, h100_tps, h100_mfu):
     assert mfu(h100_tps, cfg, 4096, PEAK_FLOPS["h100"]) == pytest.approx(h100_mfu, abs=0.04)
 
 
-# seeds/002 (LLaMA 65B latency post), Table 2, batch 1, max_seq_len 256, bf16:
+# The LLaMA 65B latency post, Table 2, batch 1, max_seq_len 256, bf16:
 # config -> (Parameter MB, Cache MB, Total GB, min # of TPU v4 chips)
 TABLE_2 = {
     "llama-7b": (14_000, 134, 14.128, 1),
@@ -124,7 +133,7 @@ def test_table_2_min_chips():
 
 
 def test_int8_puts_175b_on_v4_16():
-    # seeds/002: "with BF16 weights, a 175B parameter model would consume about 351GB ...
+    # The LLaMA 65B latency post: "with BF16 weights, a 175B parameter model would consume about 351GB ...
     # require a v4-32 ... quantizing the weights to INT8 ... run on a smaller v4-16".
     # A v4-N slice has N TensorCores, 2 per chip.
     cfg = get_config("llama-175b")
@@ -169,7 +178,7 @@ def test_cost_per_1k_tokens():
     # 1,000 tokens/s/chip is 3.6e6 tokens per chip-hour; at $3.60 that is $0.001 per 1k.
     assert cost_per_1k_tokens(1000, 3.60) == pytest.approx(0.001)
     assert cost_per_1k_tokens(50, 0.72) == pytest.approx(0.004)  # 0.72 / 180,000 * 1000
-    # seeds/000 quotes $0.0036 per 1,000 tokens for Llama 2 70B int8 on v5e, priced at the
+    # The Llama 2 post quotes $0.0036 per 1,000 tokens for Llama 2 70B int8 on v5e, priced at the
     # 3-year commitment in us-west4, but prints neither that price nor the throughput used
     # (both are in figures). For example $0.54/chip-hour at 42 tokens/s/chip (the post's
     # headline 70B throughput) gives 0.0036; the post does not say those are its inputs.

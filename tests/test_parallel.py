@@ -1,5 +1,9 @@
 """Tensor-parallel inference on the devices there are: Megatron sharding, the collectives of a
-decode step, KV-head replication and the resharding CLI."""
+decode step, KV-head replication and the resharding CLI.
+
+The expected collectives come from the Llama 3.1 70B post: Subrata Goswami, "Under the Hood of
+Llama 3.1 70B Distributed Inference", Medium, September 2024.
+"""
 import json
 import subprocess
 import sys
@@ -120,8 +124,9 @@ def collectives():
 
 def test_decode_step_all_reduces_after_row_parallel_layers(collectives):
     counts, _ = collectives
-    # seeds/003: one all-reduce for the vocabulary-parallel embedding, one after each
-    # row-parallel layer (o_proj, down_proj) of each of the 2 blocks; the logits are gathered.
+    # The Llama 3.1 70B post: one all-reduce for the vocabulary-parallel embedding, one after each
+    # row-parallel layer (o_proj, down_proj) of each of the 2 blocks; the greedy pick over the
+    # vocabulary-parallel logits adds all-gathers (the next test says which).
     assert counts["all-reduce"] == 1 + 2 * 2
     assert counts["all-gather"] >= 1
 
