@@ -1,4 +1,4 @@
-"""Decode speed, side by side, in one run on one machine (issue: KV-cache decoding).
+"""Decode speed, side by side, in one run on one machine: KV-cache decoding against its baselines.
 
     python benchmarks/decode.py     # ~20 minutes; writes results/decode.json and results/decode_*.png
 
@@ -127,6 +127,12 @@ def main():
     report(result)
 
 
+def bucket_boundaries(result):
+    """Prompt lengths where prefill changes graph: the default buckets, then each 512-token section."""
+    longest = max(r["prompt"] for r in result["by_prompt_length"])
+    return [b for b in (128, 256, 384, *range(512, longest, 512)) if b < longest]
+
+
 def report(result):
     """Print the table and return the figures (the notebook calls this on the saved JSON too)."""
     rows, bound = result["rows"], result["bound_per_token_ms"]
@@ -146,8 +152,9 @@ def report(result):
                      "batch size", "ms per token", "decode latency vs batch size", name="decode_latency_vs_batch",
                      log=True),
             plots.plot_lines({"ours": {r["prompt"]: r["latency_s"] for r in result["by_prompt_length"]}},
-                     "prompt length (tokens)", "seconds for prompt + 32 tokens", "latency vs prompt length",
-                     name="decode_latency_vs_prompt"),
+                     "prompt length (tokens)", "seconds for prompt + 32 tokens",
+                     "latency vs prompt length (dotted: bucket and section boundaries)",
+                     name="decode_latency_vs_prompt", marks=bucket_boundaries(result)),
             plots.plot_bars({f"batch {b}": {"hf-xla (16 tokens)": get["hf-xla", b]["compiles"],
                                     "ours (256 tokens)": get["ours", b]["compiles"]} for b in (1, 8, 32)},
                     "XLA compilations", "compilations per generate call", name="decode_compiles")]

@@ -170,24 +170,6 @@ def main():
     report(result)
 
 
-def targets_met(result):
-    """The issue's targets, as (text, met) pairs: reported, not asserted."""
-    s = {r["name"]: r for r in result["schemes"]}
-    bf16 = s["bf16"]["weight_bytes"]
-    big = {r["scheme"]: r["ratio_to_bf16"] for r in result["llama2_7b_bytes"]}
-    ppl = lambda n: s[n]["perplexity"]  # noqa: E731
-    return [
-        ("int8 perplexity within 1% of fp32", abs(ppl("int8") / ppl("fp32") - 1) <= 0.01),
-        ("gptq-int4 perplexity below int4 at group 128", ppl("gptq-int4-g128") < ppl("int4-g128")),
-        ("gptq-int4 KL from fp32 below int4 at group 128",
-         s["gptq-int4-g128"]["kl_from_fp32"] < s["int4-g128"]["kl_from_fp32"]),
-        ("tiny model: int8 <= 0.52x bf16 bytes", s["int8"]["weight_bytes"] <= 0.52 * bf16),
-        ("tiny model: int4 g128 <= 0.30x bf16 bytes", s["int4-g128"]["weight_bytes"] <= 0.30 * bf16),
-        ("Llama 2 7B shapes: int8 <= 0.52x bf16 bytes", big["int8"] <= 0.52),
-        ("Llama 2 7B shapes: int4 g128 <= 0.30x bf16 bytes", big["int4-g128"] <= 0.30),
-    ]
-
-
 def report(result):
     """Print the tables and return the figures (the notebook calls this on the saved JSON too)."""
     rows = result["schemes"]
@@ -213,9 +195,6 @@ def report(result):
                             weight_MB=round(r["weight_bytes"] / 1e6, 1),
                             **{f"batch {d['batch']}": round(d["per_token_ms"], 2) for d in r["decode"]})
                        for r in large["schemes"]]))
-    print("\ntargets (reported, not asserted):")
-    for text, met in targets_met(result):
-        print(f"  {'met    ' if met else 'NOT met'}  {text}")
     names = [r["name"] for r in rows]
     return [
         plots.plot_bars({n: {"KL(fp32 || scheme)": s[n]["kl_from_fp32"]} for n in names[1:]},

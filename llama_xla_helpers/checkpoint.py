@@ -8,7 +8,9 @@
 
 Every process writes only the shards its devices hold (torch.distributed.checkpoint with
 torch_xla's SPMD planners); process 0 writes meta.json last: a step_ folder is complete when
-it holds meta.json. So on a pod `directory` must be one folder that every host sees:
+it holds meta.json, which lists every file's size and sha256. `load` and `latest` verify them
+(`verify`): a damaged newest checkpoint is skipped, loudly, for the newest one that verifies.
+So on a pod `directory` must be one folder that every host sees:
 
 - a path on a local disk (one host) or a shared file system (NFS, Filestore): the shards go
   into a hidden temporary folder that process 0 renames into place, so a crash mid-save leaves
@@ -23,10 +25,14 @@ hang or a silent restart from step 0.
 """
 import contextlib
 import dataclasses
+import errno
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -40,6 +46,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 from safetensors import safe_open
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner, prime_optimizer
 from transformers import LlamaForCausalLM
 
@@ -50,6 +57,7 @@ STEP_DIR = re.compile(r"step_(\d{8,})")
 SHARED = ("checkpoint_dir must be one folder that every host sees: put it on a shared file system "
           "(NFS, Filestore) or use a gs:// URL")
 VISIBLE_WAIT = 30  # seconds a host keeps looking for a checkpoint just saved (NFS may show new files late)
+CRASH_IN_SAVE = "LLAMA_XLA_CRASH_IN_SAVE"  # test hook: a step whose save kills the process halfway
 
 
 class _SavePlanner(SPMDSavePlanner):
@@ -160,6 +168,54 @@ def _exists(path):
     return fs.exists(inner)
 
 
+def _file_sums(path):
+    """{file name: {"size", "sha256"}} of every file in the checkpoint folder but meta.json."""
+    fs, inner = _fs(path)
+    sums = {}
+    for file in sorted(fs.ls(inner, detail=False)):
+        if _name(file) != META:
+            sums[_name(file)] = dict(size=fs.size(file), sha256=_sha256(fs, file))
+    return sums
+
+
+def _sha256(fs, file):
+    digest = hashlib.sha256()
+    with fs.open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):  # 16 MiB at a time
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(path):
+    """Read meta.json and check the files of the checkpoint at `path` against the sizes and
+    sha256 sums recorded at save; returns the meta dict. Raises ValueError naming the first
+    missing, truncated or altered file, or a meta.json that is missing or not JSON, on every
+    host alike.
+
+    Sizes are checked on every host; the sums are split among the hosts of a pod, so the
+    checkpoint is read once in all. Checkpoints saved without sums are read for meta.json only.
+    """
+    try:
+        meta, problem = read_meta(path), None
+    except ValueError as e:  # still gather below: every host of a pod takes part
+        meta, problem = {}, str(e)
+    fs, inner = _fs(path)
+    for i, (name, want) in enumerate(sorted(meta.get("files", {}).items())):
+        file, bad = f"{inner}/{name}", f"{_name(path)} is corrupt: {name}"
+        if not fs.exists(file):
+            problem = f"{bad} is missing"
+        elif fs.size(file) != want["size"]:
+            problem = f"{bad} has {fs.size(file)} bytes, {want['size']} were saved"
+        elif i % xr.process_count() == xr.process_index() and _sha256(fs, file) != want["sha256"]:
+            problem = f"{bad} has another sha256 than the one saved"
+        if problem:
+            break
+    problems = [p for (p,) in _gather((problem,)) if p]
+    if problems:
+        raise ValueError(problems[0])
+    return meta
+
+
 def checkpoints(directory):
     """The complete checkpoints this host sees in `directory` (step_XXXXXXXX folders holding
     meta.json), oldest first: Paths, or URL strings for a URL."""
@@ -172,19 +228,39 @@ def checkpoints(directory):
 
 
 def latest(directory):
-    """The newest complete checkpoint in `directory` (a Path, a string for a URL), or None.
+    """The newest checkpoint in `directory` that is complete and verifies (a Path, a string for a
+    URL), or None if there is none.
 
-    On a pod every host calls it (as `train` does when resuming): the hosts compare the steps
-    they found, and all raise a ValueError if they differ, e.g. a checkpoint_dir on each host's
+    A newer checkpoint that does not verify (a truncated or missing shard, a meta.json that is
+    not JSON) is skipped with a warning that names it and what is wrong; if checkpoints exist
+    but none verifies, ValueError: never a silent restart from step 0. A step_ folder without
+    meta.json is a save that never finished, and is not a checkpoint.
+
+    On a pod every host calls it (as `train` does when resuming): the hosts compare each step
+    they try, and all raise a ValueError if they differ, e.g. a checkpoint_dir on each host's
     own disk, which only host 0 saved into.
     """
-    found = checkpoints(directory)
-    newest = found[-1] if found else None
-    steps = _gather(_step(newest) if newest else None)
-    if len(set(steps)) > 1:
-        seen = _hosts(["none" if s is None else f"step {s}" for s in steps])
-        raise ValueError(f"the hosts see different newest checkpoints in {str(directory)!r} ({seen}); {SHARED}")
-    return newest
+    skipped = []
+    for path in [*reversed(checkpoints(directory)), None]:  # newest first; None: none left
+        steps = _gather(None if path is None else _step(path))
+        if len(set(steps)) > 1:
+            seen = _hosts(["none" if s is None else f"step {s}" for s in steps])
+            raise ValueError(f"the hosts see different newest checkpoints in {str(directory)!r} ({seen}); {SHARED}")
+        if path is None:
+            break
+        try:
+            verify(path)  # every host verifies the same checkpoint: verify gathers too
+        except ValueError as e:
+            skipped.append(str(e))
+            continue
+        if skipped:
+            warnings.warn(f"skipped {len(skipped)} newer checkpoint(s) in {str(directory)!r} that do not verify "
+                          f"({'; '.join(skipped)}); using {_name(path)}", stacklevel=2)
+        return path
+    if skipped:
+        raise ValueError(f"no checkpoint in {str(directory)!r} verifies ({'; '.join(skipped)}); restore one, "
+                         f"or move them away to train from step 0")
+    return None
 
 
 def _check_everyone_sees(path, wait=0):
@@ -225,6 +301,11 @@ def save(directory, step, model, optimizer=None, extra=None, keep=3):
     Every process of a pod calls this; each then checks it sees the checkpoint (a ValueError on
     every host if some cannot). Afterwards only the newest `keep` checkpoints remain.
     At a URL a new save of an existing step deletes the old one first (no rename to wait for).
+
+    meta.json records each file's size and sha256, which `verify` checks before a load. A full
+    disk raises OSError(ENOSPC) saying so, after removing the partial save. Test hook: with
+    LLAMA_XLA_CRASH_IN_SAVE=<step> set, the save of that step kills its process (SIGKILL) once
+    the shards are written and before meta.json, as a crash at the worst moment would.
     """
     if keep < 1:
         raise ValueError(f"keep={keep} would delete the checkpoint just written; use keep >= 1")
@@ -249,27 +330,57 @@ def save(directory, step, model, optimizer=None, extra=None, keep=3):
     _barrier(no_dist)
     torch_xla.sync()
     xm.wait_device_ops()
-    # sync_files=False at a URL: an object is stored when its upload closes (DCP would call os.sync()).
-    writer = FsspecWriter(tmp, sync_files=False) if url else dcp.FileSystemWriter(tmp)
-    with _quiet():
-        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=no_dist)
-    if lead and url:
-        with fsspec.open(_child(final, META), "w") as f:  # last: the checkpoint is complete
-            json.dump(meta, f, indent=1)
-    elif lead:
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes the checkpoint visible
-        if final.exists():
+    try:
+        _write(state, meta, tmp, final, no_dist, lead)
+    except BaseException as e:  # DCP wraps each host's error in a CheckpointException, a BaseException
+        if not _disk_full(e):
+            raise
+        if lead and not url:  # free what the failed save took; the previous checkpoints are untouched
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif lead and _exists(final):
             _remove(final)
-        tmp.replace(final)  # atomic: readers see the checkpoint whole or not at all
+        raise OSError(errno.ENOSPC, f"disk full while saving step {step} into {str(directory)!r}; the "
+                      f"checkpoints saved before are intact. Free space there, or keep fewer "
+                      f"(keep={keep})") from e
     if lead:
         for old in checkpoints(directory)[:-keep]:
             _remove(old)
     _barrier(no_dist)
     _check_everyone_sees(final, VISIBLE_WAIT)
     return final
+
+
+def _write(state, meta, tmp, final, no_dist, lead):
+    """The shards (every host), then their sizes and sums and meta.json (host 0), then, for a
+    local folder, the rename that makes the checkpoint visible."""
+    url = _is_url(final)
+    # sync_files=False at a URL: an object is stored when its upload closes (DCP would call os.sync()).
+    writer = FsspecWriter(tmp, sync_files=False) if url else dcp.FileSystemWriter(tmp)
+    with _quiet():
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=no_dist)
+    _barrier(no_dist)  # every host's shards are written
+    if os.environ.get(CRASH_IN_SAVE) == str(meta["step"]):
+        os.kill(os.getpid(), signal.SIGKILL)  # test hook: die with the shards written, meta.json not
+    if not lead:
+        return
+    meta = dict(meta, files=_file_sums(tmp))
+    if url:
+        with fsspec.open(_child(final, META), "w") as f:  # last: the checkpoint is complete
+            json.dump(meta, f, indent=1)
+        return
+    with open(tmp / META, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes the checkpoint visible
+    if final.exists():
+        _remove(final)
+    tmp.replace(final)  # atomic: readers see the checkpoint whole or not at all
+
+
+def _disk_full(e):
+    """Whether `e`, or a host's failure that DCP wrapped in it, is ENOSPC ("No space left on device")."""
+    causes = [e] + [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+    return any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes)
 
 
 def read_meta(path):
@@ -282,7 +393,7 @@ def read_meta(path):
         raise ValueError(f"{file} is missing, so {path} is not a complete checkpoint; pass another "
                          f"step_ folder, or the parent folder to take the newest complete one") from None
     except ValueError as e:  # truncated or not text
-        raise ValueError(f"{file} is corrupt ({e}); delete {path} to fall back to the previous checkpoint") from None
+        raise ValueError(f"{file} is corrupt ({e})") from None
     if not isinstance(meta, dict) or not {"step", "extra", "contents", "tensors"} <= set(meta):
         raise ValueError(f"{file} lacks step / extra / contents / tensors; it was not written by checkpoint.save")
     return meta
@@ -323,6 +434,47 @@ def _resolve(path):
     return found
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds the classes a DCP .metadata holds (torch 2.9), torch dtypes and nothing else.
+
+    A pickle can call any function it names; here it may name only these classes (exact names:
+    a dotted one such as 'os.system', reached through a module's imports, is refused too).
+    """
+
+    ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a checkpoint's .metadata may not hold {module}.{name} (only DCP's metadata "
+                                     f"classes are unpickled); it was not written by checkpoint.save")
+
+
+class _SafeMetadata:
+    """DCP's `read_metadata` (torch 2.9) with `_MetadataUnpickler` instead of pickle.load."""
+
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeFileSystemReader(_SafeMetadata, dcp.FileSystemReader):
+    pass
+
+
+class _SafeFsspecReader(_SafeMetadata, FsspecReader):
+    pass
+
+
 def init_optimizer_state(optimizer):
     """Create the optimizer's state (one step with zero gradients) so `load` has tensors to fill.
 
@@ -337,18 +489,28 @@ def init_optimizer_state(optimizer):
 def load(path, model, optimizer=None):
     """Load a checkpoint into the sharded `model` (and `optimizer`) in place, keeping every sharding.
 
-    `path`: a step_XXXXXXXX folder, or a folder of them (the newest complete one is taken), or
-    their URL. Names and shapes are checked against meta.json before any data is read. Every
-    host of a pod calls this; all raise if some cannot see the checkpoint. Returns the meta dict.
+    `path`: a step_XXXXXXXX folder, or a folder of them (the newest that verifies is taken), or
+    their URL. Before any tensor is read, the files are checked against the sizes and sums in
+    meta.json (`verify`) and names and shapes against the model. Every host of a pod calls
+    this; all raise if some cannot see the checkpoint. Returns the meta dict.
+
+    Loading runs no pickled code from the checkpoint. meta.json is JSON. DCP's .metadata is a
+    pickle (DCP's own reader would run whatever it names): its sha256 must match meta.json's
+    (if saved with sums), and `_MetadataUnpickler` reads it, building DCP's metadata classes
+    and refusing any other. The .distcp files hold torch.save archives: tensors are read with
+    torch.load(weights_only=True), the optimizer's param_groups (plain numbers and strings)
+    with torch.load's default, also weights_only=True since torch 2.6 (unless the environment
+    sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD).
     """
     path = _resolve(path)
     _check_everyone_sees(path)
-    meta = read_meta(path)
+    meta = verify(path)
     state = _state(model, optimizer)
     _check(meta, state, path)
     torch_xla.sync()
     with _quiet():
-        reader = FsspecReader(path) if _is_url(path) else dcp.FileSystemReader(path)
+        reader = _SafeFsspecReader(path) if _is_url(path) else _SafeFileSystemReader(path)
+        reader.read_metadata()  # here, as dcp.load would swallow its error and fail later, less clearly
         dcp.load(state, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=_no_dist())
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])  # param_groups (lr, ...); state tensors stay the same objects

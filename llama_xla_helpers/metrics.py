@@ -48,6 +48,15 @@ HBM_BANDWIDTH = {
     "tpu-v6e": 1638e9,
 }
 
+# Bidirectional inter-chip interconnect (ICI) bandwidth per chip in bytes/s, from the same pages:
+# v5e "400 GBps", v5p "1200 GBps", v6e "800 GBps". The v4 page gives no per-chip figure (only
+# 24 TB/s of bisection bandwidth per 4,096-chip pod), so v4 has none here.
+ICI_BANDWIDTH = {
+    "tpu-v5e": 400e9,
+    "tpu-v5p": 1200e9,
+    "tpu-v6e": 800e9,
+}
+
 # Bytes per weight for plan(); weight-only quantization, the KV cache stays bf16.
 BYTES_PER_PARAM = {"bf16": 2, "int8": 1, "int4": 0.5}
 
@@ -180,3 +189,25 @@ def count_compiles():
 
     data = met.metric_data("CompileTime")
     return data[0] if data else 0
+
+
+def roofline(chip, flops=0, hbm_bytes=0, ici_bytes=0):
+    """Lower bounds in seconds on a step that, per chip, does `flops`, moves `hbm_bytes` through
+    HBM and `ici_bytes` over ICI, each at the chip's published peak. The step takes at least the
+    largest of them; overlapping (XLA's async collectives) can hide the others, never beat it."""
+    times = {"compute": flops / _lookup(PEAK_FLOPS, chip, "chip"),
+             "memory": hbm_bytes / _lookup(HBM_BANDWIDTH, chip, "chip with a published HBM bandwidth")}
+    if ici_bytes:
+        times["ici"] = ici_bytes / _lookup(ICI_BANDWIDTH, chip, "chip with a published ICI bandwidth")
+    return times
+
+
+def critical_batch(chip, bytes_per_param=2):
+    """The batch (rows per decode step, or tokens per chip in a training matmul) above which a
+    matmul over the weights is compute-bound rather than HBM-bound on `chip`.
+
+    Each weight is read once (bytes_per_param) and does 2 FLOPs per row: arithmetic intensity
+    2 * batch / bytes_per_param FLOPs per byte, against the chip's peak FLOP/s / HBM bytes/s.
+    """
+    hbm = _lookup(HBM_BANDWIDTH, chip, "chip with a published HBM bandwidth")
+    return PEAK_FLOPS[chip] / hbm * bytes_per_param / 2

@@ -9,6 +9,7 @@ import os
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from .sharding import device_blocks
 
@@ -89,8 +90,8 @@ def plot_bars(groups, ylabel, title, name, log=False):
     ax.set_ylabel(ylabel), ax.set_title(title)
     if log:
         ax.set_yscale("log")
-    if len(series) > 1:
-        ax.legend(fontsize=8)
+    if len(series) > 1:  # beside the axes, so it covers no bar
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return _finish(fig, name)
 
 
@@ -104,14 +105,19 @@ def plot_loss(losses, val_losses, name="loss"):
     return _finish(fig, name)
 
 
-def plot_lines(series, xlabel, ylabel, title, name, log=False):
-    """One line per series: series = {label: {x: y}}."""
+def plot_lines(series, xlabel, ylabel, title, name, log=False, marks=(), integer_y=False):
+    """One line per series: series = {label: {x: y}}. `marks`: x values to draw as dotted
+    vertical lines (e.g. bucket boundaries); integer_y: only whole numbers on the y axis."""
     fig = Figure(figsize=(6, 3.5))
     ax = fig.subplots()
     for label, points in series.items():
         ax.plot(list(points), list(points.values()), "o-", label=label)
+    for x in marks:
+        ax.axvline(x, color="gray", ls=":", lw=1)
     ax.set_xlabel(xlabel), ax.set_ylabel(ylabel), ax.set_title(title)
     if log:
         ax.set_yscale("log")
+    if integer_y:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
     return _finish(fig, name)

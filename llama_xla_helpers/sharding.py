@@ -20,9 +20,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
-# Table 1, keyed by the HF module that owns the weight. nn.Linear stores (out_features,
-# in_features), so the hidden_size dim of every weight goes on 'data' except q/k/v/o,
-# which do the opposite (Megatron-style rotation). Norm weights are replicated.
+# Table 1, keyed by the HF module that owns the weight: a 2D training layout that splits
+# every weight on both axes. nn.Linear stores (out_features, in_features); the hidden_size dim
+# goes on 'data' in every weight except q/k/v/o, whose specs are the transposes of gate/up's and
+# down's. (Not the Megatron layout of `parallel`, which uses 'model' only.) Norms are replicated.
 PARAM_SPECS = {
     "embed_tokens": ("model", "data"),  # (vocab_size, hidden_size)
     "q_proj": ("data", "model"),        # (num_heads * head_dim, hidden_size)

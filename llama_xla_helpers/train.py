@@ -265,6 +265,8 @@ def train(cfg):
     if resume_from:
         checkpoint.init_optimizer_state(optimizer)  # state tensors for load to fill
         start = checkpoint.load(resume_from, model, optimizer)["step"]
+        if xr.process_index() == 0:
+            print(f"resuming from {Path(str(resume_from)).name}: step {start + 1} next")
     sampler = StepSampler(len(train_ids), cfg.batch_size, cfg.seed, start, max(cfg.steps - start, 0))
     loader = sharded_loader(TensorDataset(train_ids), cfg.batch_size, mesh, sampler=sampler)
     lead = xr.process_index() == 0

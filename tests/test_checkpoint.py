@@ -1,5 +1,8 @@
+import contextlib
+import errno
 import json
 import os
+import pickle
 
 import fsspec
 import pytest
@@ -203,11 +206,13 @@ def test_url_save_load_keep_and_a_crashed_save(mesh, url, monkeypatch):
 
 
 def as_host(monkeypatch, index, others):
-    """Pretend to be host `index` of a pod; `others` (host -> value) plays the other hosts in each gather."""
+    """Pretend to be host `index` of a pod; `others` (host -> value) plays the other hosts in each gather
+    (but verify's: its (problem,) tuples, the other hosts find what this one finds)."""
     n = len(others) + 1
     monkeypatch.setattr(xr, "process_index", lambda: index)
     monkeypatch.setattr(xr, "process_count", lambda: n)
-    monkeypatch.setattr(checkpoint, "_gather", lambda value: [others.get(h, value) for h in range(n)])
+    monkeypatch.setattr(checkpoint, "_gather", lambda value: [value if isinstance(value, tuple) else others.get(h, value)
+                                                            for h in range(n)])
 
 
 def test_hosts_agree_on_the_resume_step_or_all_raise(mesh, tmp_path, monkeypatch):
@@ -238,3 +243,136 @@ def test_a_host_that_cannot_see_what_host_0_saved_raises(mesh, tmp_path, monkeyp
     assert os.listdir(tmp_path) == [".tmp_step_00000001"]  # host 1 wrote only its shards
     with pytest.raises(ValueError, match=message):  # and a load of host 0's checkpoint by its path
         load(tmp_path / "step_00000001", model)
+
+
+def two_checkpoints(mesh, tmp_path):
+    """Steps 1 and 2 of two differently seeded models; returns their paths and step 1's weights."""
+    first_model = sharded(mesh, seed=1)
+    first = save(tmp_path, 1, first_model)
+    second = save(tmp_path, 2, sharded(mesh, seed=2))
+    return first, second, on_cpu(dict(first_model.named_parameters()))
+
+
+def shard_file(path):
+    [name] = [n for n in os.listdir(path) if n.endswith(".distcp")]
+    return path / name
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("truncate", r"__0_0\.distcp has \d+ bytes, \d+ were saved"),
+    ("flip", r"__0_0\.distcp has another sha256 than the one saved"),
+    ("remove", r"__0_0\.distcp is missing"),
+    ("garbage meta", r"step_00000002/meta\.json is corrupt"),
+])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_loudly(mesh, tmp_path, monkeypatch, damage, reason):
+    first, second, weights = two_checkpoints(mesh, tmp_path)
+    meta = json.loads((second / "meta.json").read_text())
+    assert set(meta["files"]) == {".metadata", "__0_0.distcp"}
+    assert meta["files"]["__0_0.distcp"]["size"] == shard_file(second).stat().st_size
+    file = shard_file(second)
+    if damage == "truncate":
+        os.truncate(file, file.stat().st_size // 2)
+    elif damage == "flip":
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 1
+        file.write_bytes(bytes(data))
+    elif damage == "remove":
+        os.remove(file)
+    else:
+        (second / "meta.json").write_text("{not json")
+    (tmp_path / "step_00000003").mkdir()  # a save that never finished (no meta.json): not a checkpoint
+    with pytest.warns(UserWarning, match=r"skipped 1 newer checkpoint.*(step_00000002 is corrupt: )?" + reason +
+                      r".*using step_00000001"):
+        assert latest(tmp_path) == first
+    fresh = sharded(mesh, seed=3)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.dcp, "load", lambda *args, **kwargs: pytest.fail("read a tensor"))
+        with pytest.raises(ValueError, match=reason):
+            load(second, fresh)  # named, before any tensor is read
+    with pytest.warns(UserWarning, match="using step_00000001"):
+        assert load(tmp_path, fresh)["step"] == 1
+    assert all(torch.equal(t, weights[n]) for n, t in on_cpu(dict(fresh.named_parameters())).items())
+
+
+def test_no_verifying_checkpoint_is_an_error_not_a_fresh_start(mesh, tmp_path):
+    first, second, _ = two_checkpoints(mesh, tmp_path)
+    os.truncate(shard_file(first), 10)
+    (second / "meta.json").write_text("")
+    with pytest.raises(ValueError, match=r"no checkpoint in .* verifies \(.*step_00000002/meta\.json is corrupt.*; "
+                                         r"step_00000001 is corrupt: __0_0\.distcp has 10 bytes"):
+        latest(tmp_path)
+
+
+def calls(module, name):
+    """A pickle (protocol 4) that calls module.name() when loaded; `name` may be dotted."""
+    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()  # SHORT_BINUNICODE
+    return b"\x80\x04" + text(module) + text(name) + b"\x93)R."  # STACK_GLOBAL, (), REDUCE, STOP
+
+
+@pytest.mark.parametrize("module, name", [("posix", "getpid"),
+                                          ("torch.distributed.checkpoint.filesystem", "os.getpid")])
+def test_loading_runs_no_code_from_a_pickled_metadata_file(mesh, tmp_path, module, name):
+    payload = calls(module, name)
+    assert pickle.loads(payload) == os.getpid()  # what pickle.load, as DCP's reader calls it, would run
+    path = save(tmp_path, 1, sharded(mesh))
+    (path / ".metadata").write_bytes(payload)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"] = checkpoint._file_sums(path)  # the sums match: only the unpickler stands in the way
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(pickle.UnpicklingError, match=rf"may not hold {module}\.{name}"):
+        load(path, sharded(mesh))
+
+
+def test_a_checkpoint_saved_without_sums_still_loads(mesh, tmp_path):
+    model = sharded(mesh, seed=1)
+    path = save(tmp_path, 1, model)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]  # as saved before sums were recorded
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert checkpoint.verify(path) == meta and latest(tmp_path) == path
+    fresh = sharded(mesh, seed=2)
+    assert load(tmp_path, fresh)["step"] == 1
+    for (name, a), b in zip(on_cpu(dict(fresh.named_parameters())).items(), model.parameters()):
+        assert torch.equal(a, b.detach().cpu()), name
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(mesh, tmp_path, monkeypatch):
+    first, _, weights = two_checkpoints(mesh, tmp_path)
+    checkpoint._remove(tmp_path / "step_00000002")
+    written = [0]
+
+    class FillsUp:  # a file that takes 4 KiB, then the disk is full
+        def __init__(self, stream):
+            self.stream = stream
+
+        def write(self, data):
+            written[0] += len(data)
+            if written[0] > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.stream.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    class FullDiskWriter(checkpoint.dcp.FileSystemWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            create_stream = self.fs.create_stream
+
+            @contextlib.contextmanager
+            def filling(path, mode):
+                with create_stream(path, mode) as stream:
+                    yield FillsUp(stream)
+            self.fs.create_stream = filling
+
+    monkeypatch.setattr(checkpoint.dcp, "FileSystemWriter", FullDiskWriter)
+    with pytest.raises(OSError, match=r"disk full while saving step 2 into .*; the checkpoints saved before are "
+                                      r"intact\. Free space there, or keep fewer") as e:
+        save(tmp_path, 2, sharded(mesh, seed=2))
+    assert e.value.errno == errno.ENOSPC and written[0] > 4096
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]  # the partial save is gone
+    monkeypatch.undo()
+    assert latest(tmp_path) == first
+    fresh = sharded(mesh, seed=3)
+    load(tmp_path, fresh)
+    assert all(torch.equal(t, weights[n]) for n, t in on_cpu(dict(fresh.named_parameters())).items())

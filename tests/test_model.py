@@ -1,6 +1,5 @@
 """The inference Llama against Hugging Face's LlamaForCausalLM, on the CPU with plain torch."""
 import dataclasses
-import json
 
 import pytest
 import torch

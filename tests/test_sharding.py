@@ -13,18 +13,14 @@ from torch_xla.distributed.spmd.xla_sharding import wrap_as_sharded_tensor
 
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.mesh import make_mesh
-from llama_xla_helpers.sharding import (INPUT_SPEC, PARAM_SPECS, Constraint, device_blocks, input_sharding,
-                                        shard_activations, shard_params, sharded_loader)
+from llama_xla_helpers.sharding import (INPUT_SPEC, Constraint, device_blocks, input_sharding, param_spec,
+                                        shard_activations, shard_params, shard_shape, sharded_loader)
 from util import N, eight_devices, hf_model
 
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 # Tiny configs: 8 heads so every model axis up to 8 divides them; MHA and GQA.
 CONFIGS = {"mha": get_config("tiny", num_hidden_layers=2, num_key_value_heads=8),
            "gqa": get_config("tiny", num_hidden_layers=2, num_key_value_heads=2)}
-# Table 1 of the Llama 2 post, typed in again here so a change to PARAM_SPECS shows up.
-TABLE_1 = {"embed_tokens": ("model", "data"), "q_proj": ("data", "model"), "k_proj": ("data", "model"),
-           "v_proj": ("data", "model"), "o_proj": ("model", "data"), "gate_proj": ("model", "data"),
-           "up_proj": ("model", "data"), "down_proj": ("data", "model"), "lm_head": ("model", "data")}
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +68,32 @@ def sharded_logits(model, ids, mesh, activations, inputs, strategy="2d", compile
         return forward(x).logits.cpu()
 
 
-def test_param_specs_are_table_1():
-    assert PARAM_SPECS == TABLE_1
+def table_1_specs(num_layers):
+    """Table 1 of the Llama 2 post for every parameter of a Hugging Face Llama, by full name: each
+    (vocab | intermediate | heads * head_dim, hidden) weight and its transposes; norms replicated."""
+    specs = {"model.embed_tokens.weight": ("model", "data"), "model.norm.weight": (None,),
+             "lm_head.weight": ("model", "data")}
+    for i in range(num_layers):
+        specs.update({f"model.layers.{i}.{name}.weight": spec for name, spec in [
+            ("self_attn.q_proj", ("data", "model")), ("self_attn.k_proj", ("data", "model")),
+            ("self_attn.v_proj", ("data", "model")), ("self_attn.o_proj", ("model", "data")),
+            ("mlp.gate_proj", ("model", "data")), ("mlp.up_proj", ("model", "data")),
+            ("mlp.down_proj", ("data", "model")), ("input_layernorm", (None,)),
+            ("post_attention_layernorm", (None,))]})
+    return specs
+
+
+def test_param_specs_are_table_1(reference):
+    mesh = make_mesh((2, 4))  # not square: a spec with 'data' and 'model' swapped splits differently
+    model = copy.deepcopy(reference[1]["gqa"][0])
+    want = table_1_specs(CONFIGS["gqa"].num_hidden_layers)
+    assert {n: param_spec(n, p.shape, mesh) for n, p in model.named_parameters()} == want
+    shard_params(model, mesh)
+    sizes = {"data": 2, "model": 4, None: 1}
+    for name, p in model.named_parameters():
+        shard = tuple(n // sizes[axis] for n, axis in zip(p.shape, want[name]))
+        assert shard_shape(p) == shard, name
+        assert {tuple(s.data.shape) for s in wrap_as_sharded_tensor(p).local_shards} == {shard}, name
 
 
 @pytest.mark.parametrize("config", ["mha", "gqa"])
@@ -127,10 +147,10 @@ def test_shard_shapes_match_spec_and_device_shards(reference, shape, strategy):
     params = dict(model.named_parameters())
     sizes = dict(mesh.shape())
     assert [r["name"] for r in rows] == list(params)
+    table_1 = table_1_specs(CONFIGS["gqa"].num_hidden_layers)
     for r in rows:
-        leaf = r["name"].rsplit(".", 2)[-2]
         if strategy == "2d":
-            assert r["spec"] == TABLE_1.get(leaf, (None,) * len(r["shape"]))
+            assert r["spec"] == table_1[r["name"]]
         else:  # largest dim split over every device
             big = max(range(len(r["shape"])), key=lambda d: r["shape"][d])
             assert r["spec"][big] == ("data", "model") and sum(a is not None for a in r["spec"]) == 1
