@@ -78,6 +78,23 @@ def test_a_finished_run_says_so_and_exits_0(tmp_path):
     assert "the run is already complete: the newest checkpoint is at step 2 (--steps 2); held-out loss" in again.stdout
 
 
+def test_resume_skips_a_truncated_newest_checkpoint_loudly(tmp_path):
+    first = run("--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path), *QUICK)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shard = tmp_path / "step_00000004" / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
+    resumed = run("--steps", "6", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path), "--resume", *QUICK)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "step_00000004 is corrupt: __0_0.distcp has" in resumed.stderr and "using step_00000002" in resumed.stderr
+    assert "resuming from step_00000002: step 3 next" in resumed.stdout
+    for step in (2, 4):  # every checkpoint of everything it lost
+        os.truncate(tmp_path / f"step_0000000{step}" / "__0_0.distcp", 10)
+    os.remove(tmp_path / "step_00000006" / "meta.json")
+    broken = run("--steps", "8", "--checkpoint-dir", str(tmp_path), "--resume", *QUICK)
+    assert broken.returncode == 2 and broken.stderr.strip().splitlines()[-1].startswith(
+        f"error: no checkpoint in '{tmp_path}' verifies (step_00000004 is corrupt"), broken.stderr[-2000:]
+
+
 def test_sigterm_saves_the_current_step_and_a_resume_matches_an_uninterrupted_run(tmp_path):
     """A spot / preemptible VM's notice: checkpoint at the end of the current step, exit 0."""
     cmd = TRAIN + ["--steps", "400", "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path), *QUICK]

@@ -36,6 +36,23 @@ def block(index):
     return tuple((s.start, s.stop) for s in index)
 
 
+def recording(hf_reader, asked):
+    """`hf_reader`, noting in asked[name] every block read of each tensor."""
+    def reader(path, dtype=None):
+        init = hf_reader(path, dtype)
+
+        def recording_init(name, shape):
+            read = init(name, shape)
+
+            def recorded(index):
+                asked.setdefault(name, []).append(block(index))
+                return read(index)
+            recorded.shape = read.shape
+            return recorded
+        return recording_init
+    return reader
+
+
 def test_to_sharded_from_a_reader_reads_each_block_once(mesh):
     cpu = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
     for spec in [("data", "model"), ("model", None), (None, None)]:
@@ -60,22 +77,7 @@ def test_to_sharded_from_a_reader_reads_each_block_once(mesh):
 def test_build_model_init_from_reads_only_blocks_and_matches_load_hf(mesh, exported, monkeypatch):
     weights, folder = exported
     asked = {}
-    real_reader = checkpoint.hf_reader
-
-    def recording_reader(path, dtype=torch.float32):  # hf_reader, noting every block asked for
-        init = real_reader(path, dtype)
-
-        def recording_init(name, shape):
-            read = init(name, shape)
-
-            def recorded(index):
-                asked.setdefault(name, []).append(block(index))
-                return read(index)
-            recorded.shape = read.shape
-            return recorded
-        return recording_init
-
-    monkeypatch.setattr(checkpoint, "hf_reader", recording_reader)
+    monkeypatch.setattr(checkpoint, "hf_reader", recording(checkpoint.hf_reader, asked))
     streamed = build_model(CONFIG, mesh, init_from=str(folder))
     assert asked.keys() == weights.keys()
     for name, blocks in asked.items():
@@ -123,21 +125,7 @@ def test_load_for_inference_reads_only_blocks_and_matches_from_pretrained(tmp_pa
     hf = hf_model(config, seed=4)
     hf.save_pretrained(tmp_path)  # a tied model's file holds the shared weight once, as embed_tokens
     asked = {}
-    real_reader = parallel.hf_reader
-
-    def recording_reader(path, dtype=None):
-        init = real_reader(path, dtype)
-
-        def recording_init(name, shape):
-            read = init(name, shape)
-
-            def recorded(index):
-                asked.setdefault(name, []).append(block(index))
-                return read(index)
-            return recorded
-        return recording_init
-
-    monkeypatch.setattr(parallel, "hf_reader", recording_reader)
+    monkeypatch.setattr(parallel, "hf_reader", recording(parallel.hf_reader, asked))
     tp = make_mesh((1, 8), ("data", "model"))
     streamed = parallel.load_for_inference(tmp_path, tp, max_batch_size=2, max_seq_len=32)
     assert asked.keys() == {n for n in hf.state_dict() if not (tied and n == "lm_head.weight")}
