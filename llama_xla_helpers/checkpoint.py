@@ -423,15 +423,16 @@ def _check(meta, state, path):
 
 
 def _resolve(path):
-    """A checkpoint folder as given, or the newest complete one inside a folder of checkpoints."""
+    """(a checkpoint folder as given, False), or (the newest one inside a folder of checkpoints
+    that verifies, True)."""
     path = path if _is_url(path) else Path(path)
     if STEP_DIR.fullmatch(_name(path)) or _exists(_child(path, META)):
-        return path
+        return path, False
     found = latest(path)
     if found is None:
         raise ValueError(f"no complete checkpoint in {str(path)!r} (a step_XXXXXXXX folder holding {META}); "
                          f"check the path, or train without resuming")
-    return found
+    return found, True
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -486,13 +487,14 @@ def init_optimizer_state(optimizer):
     return optimizer
 
 
-def load(path, model, optimizer=None):
+def load(path, model, optimizer=None, verified=False):
     """Load a checkpoint into the sharded `model` (and `optimizer`) in place, keeping every sharding.
 
     `path`: a step_XXXXXXXX folder, or a folder of them (the newest that verifies is taken), or
     their URL. Before any tensor is read, the files are checked against the sizes and sums in
     meta.json (`verify`) and names and shapes against the model. Every host of a pod calls
-    this; all raise if some cannot see the checkpoint. Returns the meta dict.
+    this; all raise if some cannot see the checkpoint. Returns the meta dict. `verified=True`
+    skips the second read of every file when the caller has just verified `path` (as `latest` does).
 
     Loading runs no pickled code from the checkpoint. meta.json is JSON. DCP's .metadata is a
     pickle (DCP's own reader would run whatever it names): its sha256 must match meta.json's
@@ -502,9 +504,9 @@ def load(path, model, optimizer=None):
     with torch.load's default, also weights_only=True since torch 2.6 (unless the environment
     sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD).
     """
-    path = _resolve(path)
+    path, found = _resolve(path)
     _check_everyone_sees(path)
-    meta = verify(path)
+    meta = read_meta(path) if verified or found else verify(path)
     state = _state(model, optimizer)
     _check(meta, state, path)
     torch_xla.sync()

@@ -7,6 +7,8 @@ import contextlib
 import glob
 import os
 import re
+import sys
+import tempfile
 from collections import Counter
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -71,6 +73,17 @@ def collectives(hlo_text):
     return dict(counts), dict(nbytes)
 
 
+def instructions(hlo_text, op):
+    """The lines of the `op` instructions ("dot", "all-to-all", ...) in HLO text, async starts included."""
+    pattern = r"^\s*(?:ROOT )?%?[\w.\-]+ = (?:\(.*?\)|\S+) " + re.escape(op) + r"(?:-start)?\(.*$"
+    return [line.strip() for line in re.findall(pattern, hlo_text, re.MULTILINE)]
+
+
+def op_count(hlo_text, op):
+    """How many `op` instructions the HLO text holds."""
+    return len(instructions(hlo_text, op))
+
+
 def dump_dir():
     m = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
     if not m:
@@ -79,18 +92,22 @@ def dump_dir():
     return m.group(1)
 
 
+BUFFER_ASSIGNMENT = "after_optimizations-buffer-assignment.txt"  # where XLA put each buffer
+
+
 @contextlib.contextmanager
-def compiled_hlo():
+def compiled_hlo(kind="after_optimizations.txt"):
     """Collect the optimized HLO text of every module compiled inside the block.
 
         with compiled_hlo() as modules:
             loss = step(batch); torch_xla.sync()
         counts, nbytes = collectives("".join(modules))
 
+    `compiled_hlo(BUFFER_ASSIGNMENT)` collects the modules' buffer assignments instead (`temp_bytes`).
     XLA compiles a graph once: one compiled before the block comes from the cache and is not
     seen, so the block raises if it compiled nothing (run new shapes, or a fresh process).
     """
-    pattern = os.path.join(dump_dir(), "*after_optimizations.txt")
+    pattern = os.path.join(dump_dir(), "*" + kind)
     before = set(glob.glob(pattern))
     modules = []
     yield modules
@@ -100,3 +117,43 @@ def compiled_hlo():
     if not modules:
         raise RuntimeError("nothing was compiled inside compiled_hlo(): the graph came from the "
                            "compile cache; use shapes not run before, or a fresh process")
+
+
+def temp_bytes(buffer_assignment):
+    """Bytes of scratch memory a compiled module needs per device while it runs: its activations
+    and other intermediates, not its inputs and outputs ("preallocated-temp" in the buffer assignment)."""
+    return sum(int(n) for n in re.findall(r"^allocation \d+: size (\d+), preallocated-temp", buffer_assignment,
+                                          re.MULTILINE))
+
+
+# "[SPMD] Involuntary full rematerialization. The compiler cannot go from sharding {A} to {B}
+# efficiently for HLO operation %name = f32[8,1,39,16]{3,2,1,0} broadcast(...), ..."
+_REMAT = re.compile(r"Involuntary full rematerialization\. The compiler cannot go from sharding (\{.*?\}) to "
+                    r"(\{.*?\}) efficiently for HLO operation %[\w.\-]+ = (\S+) ([\w\-]+)\(")
+
+
+@contextlib.contextmanager
+def partitioner_warnings():
+    """Collect the SPMD partitioner's "Involuntary full rematerialization" warnings for what
+    compiles inside the block, as (from sharding, to sharding, shape, op) tuples.
+
+    The partitioner logs one when it cannot turn one sharding of a tensor into another with a
+    direct collective, and replicates the tensor in full to split it again. XLA's C++ writes its
+    log to file descriptor 2, which Python does not see: the block points fd 2 at a temporary
+    file, then reads it back and passes on everything else to stderr.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    warnings = []
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield warnings
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            text = log.read().decode(errors="replace")
+            warnings.extend(_REMAT.findall(text))
+            rest = "".join(line for line in text.splitlines(True) if "Involuntary full rematerialization" not in line)
+            sys.stderr.write(rest)

@@ -6,9 +6,12 @@ device query or tensor), so `init_runtime()` must run before any of that.
     info = init_runtime()   # XLA runtime: TPU, 4 devices, 1 process, chip tpu-v5e
     chip()                  # "tpu-v5e": a key of metrics.PEAK_FLOPS, or None on a CPU
 """
+import atexit
 import functools
 import glob
 import os
+import shutil
+import tempfile
 import urllib.request
 from dataclasses import dataclass
 
@@ -54,8 +57,12 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None):
     On a TPU VM this uses the TPU and ignores `cpu_devices`. On a CPU it makes `cpu_devices`
     virtual devices: the argument, else the CPU_NUM_DEVICES variable, else 8. Safe to call
     twice; a different explicit `cpu_devices` once the runtime runs is an error.
-    `hlo_dump_dir` makes XLA write every compiled module there as text (see `hlo.py`).
+    `hlo_dump_dir` makes XLA write every compiled module there as text (see `hlo.py`); True
+    means a temporary folder, removed when the process exits (a step's dump can be 100s of MB).
     """
+    if hlo_dump_dir is True:
+        hlo_dump_dir = tempfile.mkdtemp(prefix="llama-xla-hlo-")
+        atexit.register(shutil.rmtree, hlo_dump_dir, ignore_errors=True)
     if hlo_dump_dir:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_dump_to={hlo_dump_dir} --xla_dump_hlo_as_text").strip()

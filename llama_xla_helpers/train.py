@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from . import checkpoint
 from .configs import get_config
 from .data import StepSampler, load_corpus, train_val_split
-from .hlo import collectives, compiled_hlo
+from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_bytes
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
 from .cli import ArgumentParser, user_errors
@@ -250,6 +250,13 @@ def setup(cfg):
     return dataclasses.replace(cfg, mesh=shape, dtype=dtype), mesh, config
 
 
+def checkpoint_layers(model):
+    """Gradient checkpointing: keep only each decoder layer's input for the backward pass and run
+    the layer's forward again there. torch_xla's checkpoint, as torch.utils.checkpoint does not know
+    the XLA device; it puts an optimization barrier in the graph so XLA cannot undo the recompute."""
+    model._set_gradient_checkpointing(True, partial(torch_xla.utils.checkpoint.checkpoint, use_reentrant=True))
+
+
 def train(cfg):
     """Train as `cfg` says; returns a TrainResult."""
     cfg, mesh, config = setup(cfg)
@@ -258,13 +265,13 @@ def train(cfg):
         _check_resume(checkpoint.read_meta(resume_from), cfg)
     train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
-    if cfg.gradient_checkpointing:  # torch_xla's checkpoint: torch.utils.checkpoint does not know the xla device
-        model._set_gradient_checkpointing(True, partial(torch_xla.utils.checkpoint.checkpoint, use_reentrant=True))
+    if cfg.gradient_checkpointing:
+        checkpoint_layers(model)
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
     start = 0
     if resume_from:
         checkpoint.init_optimizer_state(optimizer)  # state tensors for load to fill
-        start = checkpoint.load(resume_from, model, optimizer)["step"]
+        start = checkpoint.load(resume_from, model, optimizer, verified=True)["step"]  # latest() verified it
         if xr.process_index() == 0:
             print(f"resuming from {Path(str(resume_from)).name}: step {start + 1} next")
     sampler = StepSampler(len(train_ids), cfg.batch_size, cfg.seed, start, max(cfg.steps - start, 0))
@@ -333,23 +340,28 @@ def read_losses(pending, losses):
 
 
 def profile_step(cfg):
-    """Bytes per device (parameters, optimizer state) and the collectives of one steady-state
-    training step, read from its compiled HLO (needs init_runtime(hlo_dump_dir=...) and shapes
-    not compiled before in this process)."""
+    """One steady-state training step, per device: bytes of parameters and optimizer state, and,
+    read from its compiled HLO, its scratch bytes (activations), matmuls and collectives (needs
+    init_runtime(hlo_dump_dir=...) and shapes not compiled before in this process)."""
     cfg, mesh, config = setup(cfg)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, dtype=DTYPES[cfg.dtype])
+    if cfg.gradient_checkpointing:
+        checkpoint_layers(model)
+    model.train()  # HF checkpoints layers only in training mode
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
     train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)
     [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
     train_step(model, optimizer, ids)  # step 1 creates the optimizer state
     torch_xla.sync()
-    with compiled_hlo() as modules:
+    with compiled_hlo() as modules, compiled_hlo(BUFFER_ASSIGNMENT) as buffers:
         train_step(model, optimizer, ids)
         torch_xla.sync()
     state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
     nbytes = lambda ts: sum(math.prod(shard_shape(t)) * t.element_size() for t in ts)
+    hlo = "".join(modules)
     return dict(param_bytes=nbytes(model.parameters()), optimizer_bytes=nbytes(state),
-                collectives=collectives("".join(modules)))
+                temp_bytes=sum(map(temp_bytes, buffers)), matmuls=op_count(hlo, "dot"),
+                collectives=collectives(hlo))
 
 
 def mesh_arg(text):

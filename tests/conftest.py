@@ -1,13 +1,11 @@
-import tempfile
-
 import pytest
 import torch_xla.backends
 from llama_xla_helpers.runtime import init_runtime
 
 # One runtime per test process: CPU_NUM_DEVICES (default 8) virtual CPU devices (or the TPU),
-# compiled HLO dumped to a temporary folder so tests can read the collectives.
+# compiled HLO dumped to a temporary folder (removed at exit) so tests can read the collectives.
 # `make check-variants` runs the tests marked `devices` with CPU_NUM_DEVICES=1, 4 and 16.
-RUNTIME = init_runtime(hlo_dump_dir=tempfile.mkdtemp(prefix="llama-xla-hlo-"))
+RUNTIME = init_runtime(hlo_dump_dir=True)
 # The tests compare sharded with unsharded, ours with Hugging Face's: fp32 matmuls must run in
 # fp32. On a TPU the default precision multiplies fp32 inputs in bf16 (one pass); 'highest'
 # takes six passes for about fp32's accuracy. (The CPU computes fp32 in any case.) Set once.

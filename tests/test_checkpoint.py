@@ -294,6 +294,20 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_loudly(mesh, tmp
     assert all(torch.equal(t, weights[n]) for n, t in on_cpu(dict(fresh.named_parameters())).items())
 
 
+def test_loading_the_newest_checkpoint_reads_each_file_once_for_its_sum(mesh, tmp_path, monkeypatch):
+    first, second, _ = two_checkpoints(mesh, tmp_path)
+    hashed, real = [], checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda fs, file: hashed.append(file) or real(fs, file))
+    assert load(tmp_path, sharded(mesh, seed=3))["step"] == 2  # latest() verifies step 2, load does not again
+    assert sorted(map(os.path.basename, hashed)) == sorted(json.loads((second / "meta.json").read_text())["files"])
+    hashed.clear()
+    load(second, sharded(mesh, seed=3))  # a step folder: load verifies it itself
+    assert len(hashed) == 2
+    hashed.clear()
+    load(second, sharded(mesh, seed=3), verified=True)  # the caller has verified it
+    assert hashed == []
+
+
 def test_no_verifying_checkpoint_is_an_error_not_a_fresh_start(mesh, tmp_path):
     first, second, _ = two_checkpoints(mesh, tmp_path)
     os.truncate(shard_file(first), 10)

@@ -1,5 +1,9 @@
 """The training CLI as a user runs it: a bad argument is one `error:` line and exit status 2,
-a finished run says so, SIGTERM checkpoints and exits 0. Each case is a real process."""
+a finished run says so, a corrupt checkpoint is skipped loudly, SIGTERM checkpoints and exits 0.
+
+Most cases call the CLI's `main(argv)` in this process (the same code a real process runs, from
+the parsed arguments to the exit status); the exit status and the single stderr line of a real
+process, and SIGTERM, are checked with real processes."""
 import dataclasses
 import os
 import signal
@@ -9,10 +13,9 @@ import time
 
 import pytest
 
-from llama_xla_helpers import checkpoint
-from llama_xla_helpers.train import TrainConfig, train
+from llama_xla_helpers import checkpoint, parallel
+from llama_xla_helpers.train import TrainConfig, main, train
 
-pytestmark = pytest.mark.child_process
 TRAIN = [sys.executable, "-m", "llama_xla_helpers.train"]
 QUICK = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1"]
 ENV = {**os.environ, "CPU_NUM_DEVICES": "8"}
@@ -22,11 +25,20 @@ def run(*args, timeout=300):
     return subprocess.run(TRAIN + list(args), capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-@pytest.fixture(scope="module")
-def binary_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "weights.bin"
-    path.write_bytes(b"plain text, then \xff\xfe not UTF-8")
-    return path
+def cli(main_fn, argv, capsys):
+    """Run a CLI's main(argv) here: (exit status, stdout, stderr); SystemExit gives the status."""
+    try:
+        main_fn(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_error_line(code, err, message):
+    lines = [l for l in err.splitlines() if l.strip() and not l.startswith(("W0000", "WARNING", "I0000"))]
+    return code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -45,56 +57,59 @@ def binary_file(tmp_path_factory):
     (["--resume"], "resume=True needs checkpoint_dir"),
     (["--data", "/nonexistent/corpus.txt"], "data file '/nonexistent/corpus.txt' does not exist"),
 ])
-def test_bad_argument_is_one_error_line(args, message):
-    out = run(*args)
-    assert out.returncode == 2, out.stderr[-2000:]
-    lines = [l for l in out.stderr.splitlines() if l.strip() and not l.startswith(("W0000", "WARNING", "I0000"))]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr[-2000:]
+def test_bad_argument_is_one_error_line(args, message, capsys):
+    code, _, err = cli(main, args, capsys)
+    assert one_error_line(code, err, message), (code, err[-2000:])
+
+
+@pytest.mark.child_process
+def test_a_real_process_exits_2_with_one_error_line():
+    out = subprocess.run(TRAIN + ["--seq-len", "0"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert one_error_line(out.returncode, out.stderr, "seq_len=0"), out.stderr[-2000:]
     assert "Traceback" not in out.stderr
 
 
-def test_init_from_a_folder_that_is_not_a_llama(tmp_path):
+def test_init_from_a_folder_that_is_not_a_llama(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
-    out = run("--init-from", str(tmp_path), *QUICK)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"error: {tmp_path / 'config.json'} describes a 'gpt2' model, not a Llama" in out.stderr
+    code, _, err = cli(main, ["--init-from", str(tmp_path), *QUICK], capsys)
+    assert one_error_line(code, err, f"error: {tmp_path / 'config.json'} describes a 'gpt2' model, not a Llama"), err
 
 
-def test_binary_data_names_the_offset(binary_file):
-    out = run("--data", str(binary_file), *QUICK)
-    assert out.returncode == 2
-    assert f"error: {binary_file} is not UTF-8 text: byte 17 is 0xff" in out.stderr
-    assert "Traceback" not in out.stderr
-    debug = run("--data", str(binary_file), "--debug", *QUICK)  # --debug: the traceback too
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+def test_binary_data_names_the_offset(tmp_path, capsys):
+    binary_file = tmp_path / "weights.bin"
+    binary_file.write_bytes(b"plain text, then \xff\xfe not UTF-8")
+    code, _, err = cli(main, ["--data", str(binary_file), *QUICK], capsys)
+    assert one_error_line(code, err, f"error: {binary_file} is not UTF-8 text: byte 17 is 0xff"), err
+    with pytest.raises(ValueError, match="is not UTF-8 text"):  # --debug: the exception and its traceback
+        main(["--data", str(binary_file), "--debug", *QUICK])
 
 
-def test_a_finished_run_says_so_and_exits_0(tmp_path):
-    first = run("--steps", "2", "--checkpoint-dir", str(tmp_path), *QUICK)
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert "tokens/s/chip: not enough steps to measure" in first.stdout  # not "nan tokens/s/chip"
-    again = run("--steps", "2", "--checkpoint-dir", str(tmp_path), "--resume", *QUICK)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "the run is already complete: the newest checkpoint is at step 2 (--steps 2); held-out loss" in again.stdout
+def test_a_finished_run_says_so_and_exits_0(tmp_path, capsys):
+    code, out, err = cli(main, ["--steps", "2", "--checkpoint-dir", str(tmp_path), *QUICK], capsys)
+    assert code == 0, err[-2000:]
+    assert "tokens/s/chip: not enough steps to measure" in out  # not "nan tokens/s/chip"
+    code, out, err = cli(main, ["--steps", "2", "--checkpoint-dir", str(tmp_path), "--resume", *QUICK], capsys)
+    assert code == 0, err[-2000:]
+    assert "the run is already complete: the newest checkpoint is at step 2 (--steps 2); held-out loss" in out
 
 
-def test_resume_skips_a_truncated_newest_checkpoint_loudly(tmp_path):
-    first = run("--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path), *QUICK)
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_resume_skips_a_truncated_newest_checkpoint_loudly(tmp_path, capsys):
+    args = ["--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path), *QUICK]
+    assert cli(main, ["--steps", "4", *args], capsys)[0] == 0
     shard = tmp_path / "step_00000004" / "__0_0.distcp"
     os.truncate(shard, shard.stat().st_size // 2)
-    resumed = run("--steps", "6", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path), "--resume", *QUICK)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "step_00000004 is corrupt: __0_0.distcp has" in resumed.stderr and "using step_00000002" in resumed.stderr
-    assert "resuming from step_00000002: step 3 next" in resumed.stdout
+    with pytest.warns(UserWarning, match="step_00000004 is corrupt: __0_0.distcp has .* using step_00000002"):
+        code, out, err = cli(main, ["--steps", "6", "--resume", *args], capsys)
+    assert code == 0, err[-2000:]
+    assert "resuming from step_00000002: step 3 next" in out
     for step in (2, 4):  # every checkpoint of everything it lost
         os.truncate(tmp_path / f"step_0000000{step}" / "__0_0.distcp", 10)
     os.remove(tmp_path / "step_00000006" / "meta.json")
-    broken = run("--steps", "8", "--checkpoint-dir", str(tmp_path), "--resume", *QUICK)
-    assert broken.returncode == 2 and broken.stderr.strip().splitlines()[-1].startswith(
-        f"error: no checkpoint in '{tmp_path}' verifies (step_00000004 is corrupt"), broken.stderr[-2000:]
+    code, _, err = cli(main, ["--steps", "8", "--resume", *args], capsys)
+    assert one_error_line(code, err, f"error: no checkpoint in '{tmp_path}' verifies (step_00000004 is corrupt"), err
 
 
+@pytest.mark.child_process
 def test_sigterm_saves_the_current_step_and_a_resume_matches_an_uninterrupted_run(tmp_path):
     """A spot / preemptible VM's notice: checkpoint at the end of the current step, exit 0."""
     cmd = TRAIN + ["--steps", "400", "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path), *QUICK]
@@ -122,14 +137,13 @@ def test_sigterm_saves_the_current_step_and_a_resume_matches_an_uninterrupted_ru
     (["reshard", "{src}", "{dst}", "--factor", "two"], "argument --factor: invalid int value: 'two'"),
     (["reshard", "{src}"], "the following arguments are required: dst"),
 ])
-def test_reshard_cli_bad_arguments(tmp_path, args, message):
+def test_reshard_cli_bad_arguments(tmp_path, args, message, capsys):
     from llama_xla_helpers.configs import get_config
     from util import hf_model
     src = tmp_path / "src"
     hf_model(get_config("tiny", num_hidden_layers=1)).save_pretrained(src)
+    capsys.readouterr()  # save_pretrained's progress bar
     argv = [a.format(src=src, dst=tmp_path / "dst") for a in args]
-    out = subprocess.run([sys.executable, "-m", "llama_xla_helpers.parallel", *argv], capture_output=True,
-                         text=True, timeout=120)
-    lines = [l for l in out.stderr.splitlines() if l.strip()]
-    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    code, _, err = cli(parallel.main, argv, capsys)
+    assert one_error_line(code, err, message), err
     assert not (tmp_path / "dst").exists()

@@ -7,12 +7,15 @@ SimpleReduceScatter, hlo_instruction_test's async reduce-scatter printed with an
 sugar, async_collective_creator_test's generic async all-reduce), written with the TPU's tiled
 layouts: {1,0:T(8,128)}, bf16's {1,0:T(8,128)(2,1)}, scalars' {:T(128)}.
 """
+import os
+
 import pytest
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from llama_xla_helpers.hlo import collectives, compiled_hlo
+from llama_xla_helpers.hlo import (BUFFER_ASSIGNMENT, collectives, compiled_hlo, instructions, op_count,
+                                   partitioner_warnings, temp_bytes)
 from llama_xla_helpers.mesh import make_mesh
 
 # One collective per case, as (HLO lines, its op, bytes of its output per device). Every async
@@ -115,3 +118,44 @@ def test_collectives_counted_from_compiled_hlo():
     assert counts == {"all-reduce": 1}
     assert nbytes == {"all-reduce": (16 // 4) * 64 * 4}  # one (4, 64) fp32 block per device
     torch.testing.assert_close(c.cpu(), a.cpu() @ b.cpu())
+
+
+def test_instructions_of_one_op_and_their_count():
+    text = """
+  %dot.1 = f32[4,64]{1,0} dot(f32[4,32]{1,0} %a, f32[32,64]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot_fusion = f32[4,64]{1,0} fusion(f32[4,32]{1,0} %a), kind=kOutput, calls=%fused_dot
+  ROOT %dot.2 = f32[4,4]{1,0} dot(f32[4,64]{1,0} %dot.1, f32[4,64]{1,0} %c), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %all-to-all.1 = (f32[1,156,32]{2,1,0}, f32[1,156,32]{2,1,0}) all-to-all(f32[1,156,32]{2,1,0} %p, f32[1,156,32]{2,1,0} %q), replica_groups={{0,1}}
+"""
+    assert op_count(text, "dot") == 2 and op_count(text, "fusion") == 1
+    [line] = instructions(text, "all-to-all")
+    assert line.startswith("%all-to-all.1 = (f32[1,156,32]") and line.endswith("replica_groups={{0,1}}")
+
+
+def test_temp_bytes_is_the_preallocated_temp_of_a_compiled_step():
+    assignment = """allocation 0: size 4194304, maybe-live-out:
+allocation 240: size 36864080, preallocated-temp:
+ value: <1 fusion.3 @0> (size=16,offset=0): f32[4]{0}
+allocation 241: size 64, thread-local:
+"""
+    assert temp_bytes(assignment) == 36864080
+    a = torch.randn(64, 64, device=torch_xla.device())
+    with compiled_hlo(BUFFER_ASSIGNMENT) as buffers:
+        b = (a @ a).relu() @ a   # an intermediate (64, 64) lives in scratch memory
+        torch_xla.sync()
+    assert temp_bytes("".join(buffers)) >= 64 * 64 * 4
+    torch.testing.assert_close(b.cpu(), (a.cpu() @ a.cpu()).relu() @ a.cpu(), rtol=1e-4, atol=1e-3)
+
+
+def test_partitioner_warnings_are_collected_and_other_stderr_passes_through(capfd):
+    line = ("W0000 00:00:1795422894.788538   10979 spmd_partitioner.cc:643] [SPMD] Involuntary full "
+            "rematerialization. The compiler cannot go from sharding {devices=[1,8,1,1]0,1,2,3,4,5,6,7} to "
+            "{devices=[1,1,1,2,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate} efficiently for HLO operation "
+            "%broadcast.202 = f32[16,1,47,16]{3,2,1,0} broadcast(%multiply.201), dimensions={0,1,2,3}\n")
+    with partitioner_warnings() as warned:
+        os.write(2, line.encode() + b"another message from XLA\n")  # as XLA's C++ logging writes: fd 2
+    assert warned == [("{devices=[1,8,1,1]0,1,2,3,4,5,6,7}",
+                       "{devices=[1,1,1,2,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}",
+                       "f32[16,1,47,16]{3,2,1,0}", "broadcast")]
+    err = capfd.readouterr().err
+    assert "another message from XLA" in err and "Involuntary" not in err

@@ -13,7 +13,7 @@ from transformers.optimization import Adafactor as HFAdafactor
 from llama_xla_helpers import checkpoint
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, train_val_split
-from llama_xla_helpers.train import Adafactor, TrainConfig, _parse_args, init_weights, train, train_step
+from llama_xla_helpers.train import Adafactor, TrainConfig, _parse_args, init_weights, main, train, train_step
 from util import N, shapes_2d
 
 # Small and quick: 2 steps compile, the rest reuse the graph. The mesh is picked for the devices there are.
@@ -154,24 +154,26 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.child_process
-def test_a_crash_mid_save_resumes_exactly_from_the_previous_checkpoint(tmp_path):
-    def cli(directory, *extra, env=None):
-        cmd = [sys.executable, "-m", "llama_xla_helpers.train", "--steps", "8", "--batch-size", "8", "--seq-len",
-               "32", "--eval-batches", "1", "--checkpoint-every", "2", "--checkpoint-dir", str(directory), *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+def test_a_crash_mid_save_resumes_exactly_from_the_previous_checkpoint(tmp_path, capsys):
+    def argv(directory):
+        return ["--steps", "8", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1",
+                "--checkpoint-every", "2", "--checkpoint-dir", str(directory)]
 
-    # SIGKILL at the worst moment: step 6's shards written, its meta.json not
-    crashed = cli(tmp_path / "run", env=dict(os.environ, LLAMA_XLA_CRASH_IN_SAVE="6"))
+    # SIGKILL at the worst moment, in a real process: step 6's shards written, its meta.json not
+    crashed = subprocess.run([sys.executable, "-m", "llama_xla_helpers.train", *argv(tmp_path / "run")],
+                             capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, LLAMA_XLA_CRASH_IN_SAVE="6"))
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert checkpoint.latest(tmp_path / "run").name == "step_00000004"
     assert not (tmp_path / "run" / "step_00000006").exists()
-    resumed = cli(tmp_path / "run", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from step_00000004: step 5 next" in resumed.stdout
-    whole = cli(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    final = [line for line in resumed.stdout.splitlines() if line.startswith("step 8:")]
-    assert final and final == [line for line in whole.stdout.splitlines() if line.startswith("step 8:")]
+    main([*argv(tmp_path / "run"), "--resume"])  # the CLI's main, in this process
+    resumed = capsys.readouterr().out
+    assert "resuming from step_00000004: step 5 next" in resumed
+    main(argv(tmp_path / "whole"))
+    # "step 8: train loss ..., held-out loss ... nats/byte; (compiles, which the cache changes)"
+    final = [[line.split(";")[0] for line in out.splitlines() if line.startswith("step 8:")]
+             for out in (resumed, capsys.readouterr().out)]
+    assert final[0] and final[0] == final[1]
     # the final weights and optimizer state, byte for byte: the same shard file
     sums = [checkpoint.read_meta(d / "step_00000008")["files"]["__0_0.distcp"] for d in (tmp_path / "run", tmp_path / "whole")]
     assert sums[0] == sums[1]
