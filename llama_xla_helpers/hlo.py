@@ -140,7 +140,9 @@ def partitioner_warnings():
     The partitioner logs one when it cannot turn one sharding of a tensor into another with a
     direct collective, and replicates the tensor in full to split it again. XLA's C++ writes its
     log to file descriptor 2, which Python does not see: the block points fd 2 at a temporary
-    file, then reads it back and passes on everything else to stderr.
+    file, then reads it back and passes on everything else to stderr. On a TPU the partitioner
+    runs inside libtpu, which logs to /tmp/tpu_logs and sends only errors to stderr: set
+    TPU_STDERR_LOG_LEVEL=0 before the runtime starts, or the list stays empty there.
     """
     sys.stderr.flush()
     saved = os.dup(2)
