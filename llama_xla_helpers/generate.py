@@ -137,13 +137,7 @@ class Generator:
     """
 
     def __init__(self, model, buckets=(128, 256, 384, 512), eos_check_interval=10, compile=False):
-        buckets = tuple(buckets)
-        increasing = list(buckets) == sorted(set(buckets))
-        if not buckets or not increasing or not all(isinstance(b, int) and b >= 1 for b in buckets):
-            raise ValueError(f"buckets={buckets} must be increasing positive ints, e.g. (128, 256, 384, 512)")
-        if buckets[-1] > model.args.max_seq_len:
-            raise ValueError(f"largest bucket {buckets[-1]} > the model's max_seq_len={model.args.max_seq_len}; "
-                             "drop it or build the model with a larger max_seq_len")
+        buckets = check_buckets(buckets, model.args.max_seq_len)
         if not isinstance(eos_check_interval, int) or eos_check_interval < 1:
             raise ValueError(f"eos_check_interval={eos_check_interval!r} must be an int >= 1")
         self.device = torch_xla.device()
@@ -212,40 +206,58 @@ class Generator:
 
     def check(self, prompt_tokens, max_new_tokens, temperature, top_p, eos_id):
         """ValueError for bad input, before any device work; returns the prefill sections."""
-        args = self.model.args
-        if not isinstance(prompt_tokens, (list, tuple)) or not all(isinstance(p, (list, tuple))
-                                                                      for p in prompt_tokens):
-            raise TypeError("prompt_tokens must be a list of prompts, each a list of token ids")
-        if not prompt_tokens:
-            raise ValueError("prompt_tokens is empty; pass a non-empty list of prompts")
-        if len(prompt_tokens) > args.max_batch_size:
-            raise ValueError(f"batch of {len(prompt_tokens)} prompts > max_batch_size={args.max_batch_size}; "
-                             "split the batch or build the model with a larger max_batch_size")
-        for b, p in enumerate(prompt_tokens):
-            if len(p) == 0:
-                raise ValueError(f"prompt {b} is empty; every prompt needs at least one token (e.g. BOS)")
-            if not all(isinstance(t, int) for t in p):
-                raise TypeError(f"prompt {b} holds a token id that is not an int")
-            bad = [t for t in p if not 0 <= t < args.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {b} has token id {bad[0]} outside the vocabulary [0, {args.vocab_size})")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        if not temperature >= 0:
-            raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p={top_p} must be in (0, 1] (1 keeps every token)")
-        if eos_id is not None and not 0 <= eos_id < args.vocab_size:
-            raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {args.vocab_size})")
-        longest = max(len(p) for p in prompt_tokens)
-        sections = prefill_sections(longest, self.buckets)
-        need = sum(sections) + max_new_tokens
-        if need > args.max_seq_len:
-            raise ValueError(f"the longest prompt ({longest} tokens, padded to {sum(sections)} for buckets "
-                             f"{self.buckets}) + max_new_tokens={max_new_tokens} = {need} cache slots > "
-                             f"max_seq_len={args.max_seq_len}; ask for fewer tokens or build the model "
-                             f"with max_seq_len >= {need}")
-        return sections
+        return check_request(self.model.args, self.buckets, prompt_tokens, max_new_tokens, temperature, top_p, eos_id)
+
+
+def check_buckets(buckets, max_seq_len, room=0):
+    """The buckets as a tuple; ValueError unless they are increasing positive ints that leave
+    `room` cache slots of max_seq_len after the largest."""
+    buckets = tuple(buckets)
+    increasing = list(buckets) == sorted(set(buckets))
+    if not buckets or not increasing or not all(isinstance(b, int) and b >= 1 for b in buckets):
+        raise ValueError(f"buckets={buckets} must be increasing positive ints, e.g. (128, 256, 384, 512)")
+    if buckets[-1] + room > max_seq_len:
+        raise ValueError(f"largest bucket {buckets[-1]}{f' + {room} tokens' if room else ''} > the model's "
+                         f"max_seq_len={max_seq_len}; drop it or build the model with a larger max_seq_len")
+    return buckets
+
+
+def check_request(args, buckets, prompt_tokens, max_new_tokens, temperature, top_p, eos_id, name="max_new_tokens"):
+    """ValueError (TypeError) for a bad request to a model with ModelArgs `args`, before any device
+    work; returns the prefill sections. `name`: what the caller calls max_new_tokens."""
+    if not isinstance(prompt_tokens, (list, tuple)) or not all(isinstance(p, (list, tuple))
+                                                                  for p in prompt_tokens):
+        raise TypeError("prompt_tokens must be a list of prompts, each a list of token ids")
+    if not prompt_tokens:
+        raise ValueError("prompt_tokens is empty; pass a non-empty list of prompts")
+    if len(prompt_tokens) > args.max_batch_size:
+        raise ValueError(f"batch of {len(prompt_tokens)} prompts > max_batch_size={args.max_batch_size}; "
+                         "split the batch or build the model with a larger max_batch_size")
+    for b, p in enumerate(prompt_tokens):
+        if len(p) == 0:
+            raise ValueError(f"prompt {b} is empty; every prompt needs at least one token (e.g. BOS)")
+        if not all(isinstance(t, int) for t in p):
+            raise TypeError(f"prompt {b} holds a token id that is not an int")
+        bad = [t for t in p if not 0 <= t < args.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {b} has token id {bad[0]} outside the vocabulary [0, {args.vocab_size})")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{name}={max_new_tokens!r} must be an int >= 1")
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (1 keeps every token)")
+    if eos_id is not None and not 0 <= eos_id < args.vocab_size:
+        raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {args.vocab_size})")
+    longest = max(len(p) for p in prompt_tokens)
+    sections = prefill_sections(longest, buckets)
+    need = sum(sections) + max_new_tokens
+    if need > args.max_seq_len:
+        raise ValueError(f"the longest prompt ({longest} tokens, padded to {sum(sections)} for buckets "
+                         f"{buckets}) + {name}={max_new_tokens} = {need} cache slots > "
+                         f"max_seq_len={args.max_seq_len}; ask for fewer tokens or build the model "
+                         f"with max_seq_len >= {need}")
+    return sections
 
 
 def cut_at_eos(tokens, eos_id):

@@ -151,14 +151,18 @@ def apply_rope(x, cos, sin):
 
 
 def attention_mask(input_pos, pad, max_seq_len):
-    """Which cache slots each query may read: (bsz, 1, seqlen, max_seq_len) bool."""
+    """Which cache slots each query may read: (bsz, 1, seqlen, max_seq_len) bool.
+
+    input_pos: (seqlen,) slots shared by every row, or (bsz, seqlen) one row's each (the
+    serving engine's slots sit at different positions).
+    """
     slots = torch.arange(max_seq_len, device=input_pos.device)  # (max_seq_len,)
-    causal = slots[None, :] <= input_pos[:, None]  # (seqlen, max_seq_len)
-    not_pad = slots[None, :] >= pad[:, None]  # (bsz, max_seq_len)
-    itself = slots[None, :] == input_pos[:, None]  # (seqlen, max_seq_len)
+    causal = slots <= input_pos[..., None]  # ([bsz,] seqlen, max_seq_len)
+    not_pad = (slots[None, :] >= pad[:, None])[:, None]  # (bsz, 1, max_seq_len)
+    itself = slots == input_pos[..., None]  # ([bsz,] seqlen, max_seq_len)
     # A padding query has no real key to read; letting it read itself keeps its softmax
     # finite, so no NaN ever reaches the cache. Real queries never read padding slots.
-    return ((causal[None] & not_pad[:, None]) | itself[None])[:, None]
+    return ((causal & not_pad) | itself)[:, None]
 
 
 # --- Modules ------------------------------------------------------------------------------
@@ -171,11 +175,17 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos, k, v):
-        """Write k, v (bsz, seqlen, n_kv_heads, head_dim) at slots input_pos; return this batch's cache."""
+        """Write k, v (bsz, seqlen, n_kv_heads, head_dim) at slots input_pos, (seqlen,) or
+        (bsz, seqlen); return this batch's cache."""
         bsz = k.shape[0]
         k_cache, v_cache = self.k_cache[:bsz], self.v_cache[:bsz]  # (bsz, max_seq_len, n_kv_heads, head_dim)
-        k_cache.index_copy_(1, input_pos, k)
-        v_cache.index_copy_(1, input_pos, v)
+        if input_pos.dim() == 1:  # the same slots in every row
+            k_cache.index_copy_(1, input_pos, k)
+            v_cache.index_copy_(1, input_pos, v)
+        else:  # each row at its own slots: a scatter
+            rows = torch.arange(bsz, device=k.device)[:, None]  # (bsz, 1)
+            k_cache.index_put_((rows, input_pos), k)
+            v_cache.index_put_((rows, input_pos), v)
         return k_cache, v_cache
 
 
@@ -273,12 +283,13 @@ class Llama(nn.Module):
     @torch.no_grad()
     def forward(self, tokens, input_pos, pad=None):
         """Logits (bsz, seqlen, vocab_size) fp32 for tokens (bsz, seqlen) written at cache slots
-        input_pos (seqlen,); pad (bsz,) counts each row's left-padding slots (None: no padding)."""
+        input_pos (seqlen,) or, per row, (bsz, seqlen); pad (bsz,) counts each row's
+        left-padding slots (None: no padding)."""
         bsz, seqlen = tokens.shape
         self.check_shapes(tokens, input_pos, pad)
         if pad is None:
             pad = torch.zeros(bsz, dtype=torch.long, device=tokens.device)
-        pos = (input_pos[None, :] - pad[:, None]).clamp(min=0)  # (bsz, seqlen) RoPE positions
+        pos = (input_pos - pad[:, None]).clamp(min=0)  # (bsz, seqlen) RoPE positions
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (bsz, seqlen, head_dim)
         mask = attention_mask(input_pos, pad, self.args.max_seq_len)  # (bsz, 1, seqlen, max_seq_len)
 
@@ -293,9 +304,9 @@ class Llama(nn.Module):
         if bsz > self.args.max_batch_size:
             raise ValueError(f"batch size {bsz} > max_batch_size={self.args.max_batch_size}; "
                              "build the model with a larger max_batch_size")
-        if input_pos.shape != (seqlen,):
-            raise ValueError(f"input_pos has shape {tuple(input_pos.shape)}, expected ({seqlen},) for "
-                             f"tokens of shape {tuple(tokens.shape)}")
+        if input_pos.shape not in ((seqlen,), (bsz, seqlen)):
+            raise ValueError(f"input_pos has shape {tuple(input_pos.shape)}, expected ({seqlen},) or "
+                             f"({bsz}, {seqlen}) for tokens of shape {tuple(tokens.shape)}")
         if seqlen > self.args.max_seq_len:
             raise ValueError(f"{seqlen} tokens > max_seq_len={self.args.max_seq_len}")
         if pad is not None and pad.shape != (bsz,):

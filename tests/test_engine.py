@@ -1,0 +1,174 @@
+"""Engine: continuous batching gives each request the tokens it gets alone (unsharded and
+tensor-parallel), nothing compiles after warm-up (and a compile raises), bad requests fail
+alone, the queue is bounded, requests finish on EOS / stop strings / max_tokens or cancel."""
+import functools
+
+import pytest
+import torch
+
+from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.engine import Engine, QueueFull, RecompileError, sample_rows
+from llama_xla_helpers.generate import Generator
+from llama_xla_helpers.mesh import make_mesh
+from llama_xla_helpers.metrics import count_compiles
+from llama_xla_helpers.model import Llama
+from llama_xla_helpers.parallel import shard_for_inference
+from util import N, hf_model, tp_size
+
+BUCKETS = (16, 32)
+MAX_SEQ_LEN = 128
+LENGTHS = (5, 20, 40, 3, 31, 12, 33)  # 40 and 33 need two prefill sections (16 + 32)
+
+
+def prompts(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@functools.cache
+def hf():
+    return hf_model(get_config("tiny", num_hidden_layers=2, initializer_range=0.2))
+
+
+@functools.cache
+def expected():
+    """Each prompt's greedy tokens from `Generator`, run on that prompt alone (max_tokens 10 + i)."""
+    gen = Generator(Llama.from_hf(hf(), max_batch_size=1, max_seq_len=MAX_SEQ_LEN), buckets=BUCKETS)
+    out = [gen.generate([p], 10 + i)[0][0] for i, p in enumerate(prompts())]
+    assert all(len(set(t)) > 3 for t in out), "the model repeats itself: the test proves nothing"
+    return out
+
+
+def engine(mesh_shape=None, slots=4, **kwargs):
+    model = Llama.from_hf(hf(), max_batch_size=slots, max_seq_len=MAX_SEQ_LEN)
+    if mesh_shape is not None:
+        model = shard_for_inference(model, make_mesh(mesh_shape))
+    eng = Engine(model, slots=slots, buckets=BUCKETS, **kwargs)
+    eng.warmup()
+    return eng
+
+
+def decode(tokens):
+    """One character per token id (random bytes are rarely valid UTF-8), so text grows token by token."""
+    return "".join(chr(0x4E00 + t) for t in tokens)
+
+
+@functools.cache
+def shared_engine():
+    return engine(max_queue=4, decode=decode)
+
+
+def run(eng, reqs):
+    while not all(r.done for r in reqs):
+        eng.step()
+    return reqs
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize("mesh_shape", [None, (N // tp_size(4), tp_size(4))], ids=["unsharded", "tensor-parallel"])
+def test_tokens_equal_generator_alone_whatever_shares_the_batch(mesh_shape):
+    want, eng = expected(), engine(mesh_shape, slots=4 if mesh_shape is None else max(4, mesh_shape[0]))
+    ps, compiles = prompts(), count_compiles()
+    reqs = [eng.submit(p, 10 + i) for i, p in enumerate(ps[:3])]
+    for _ in range(4):  # the first three decode while the others arrive, more than there are slots
+        eng.step()
+    reqs += [eng.submit(p, 10 + i) for i, p in enumerate(ps[3:], start=3)]
+    run(eng, reqs)
+    assert [r.tokens for r in reqs] == list(want)
+    assert [r.finish_reason for r in reqs] == ["length"] * len(reqs)
+    assert count_compiles() == compiles and eng.compiles_since_warmup == 0
+    # A slot freed by a finished request was taken by a waiting one while others kept decoding.
+    owners = {slot: [step[slot] for step in eng.timeline] for slot in range(eng.slots)}
+    assert any(len(set(o) - {None}) > 1 for o in owners.values())
+
+
+def test_a_compile_after_warmup_raises():
+    eng = engine(slots=2)
+    eng.model.norm.eps = 1e-3  # a Python float baked into the decode graph: a new graph
+    eng.submit(prompts()[0], 4)
+    with pytest.raises(RecompileError, match="after warm-up"):
+        eng.step()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=[]), "prompt 0 is empty"),
+    (dict(prompt=[1] * 130), r"padded to 144 for buckets \(16, 32\)\) \+ max_tokens=8 = 152 cache slots > max_seq_len=128"),
+    (dict(max_tokens=0), "max_tokens=0 must be an int >= 1"),
+    (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
+    (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+    (dict(prompt=[300]), r"token id 300 outside the vocabulary \[0, 264\)"),
+])
+def test_bad_request_fails_alone(kwargs, message):
+    eng = shared_engine()
+    good = eng.submit(prompts()[0], 10)
+    request = dict(prompt=[1, 2, 3], max_tokens=8) | kwargs
+    with pytest.raises(ValueError, match=message):
+        eng.submit(request.pop("prompt"), **request)
+    run(eng, [good])
+    assert good.tokens == expected()[0]
+
+
+def test_full_queue_refuses_and_loses_nothing():
+    eng = shared_engine()  # 4 slots, max_queue=4
+    reqs = [eng.submit(p, 10 + i) for i, p in enumerate(prompts()[:4])]
+    with pytest.raises(QueueFull, match="4 requests are waiting"):
+        eng.submit([1, 2], 4)
+    run(eng, reqs)
+    assert [r.tokens for r in reqs] == list(expected()[:4])
+
+
+def test_finish_on_eos_stop_string_and_max_tokens():
+    eng, want = shared_engine(), expected()[1]
+    text = decode(want)
+    stop = text[3:5]  # a stop string inside the greedy text
+    eng.eos_id = want[4]
+    try:
+        by_eos = eng.submit(prompts()[1], 11)
+        by_stop = eng.submit(prompts()[1], 11, stop=[stop])
+        run(eng, [by_eos, by_stop])
+    finally:
+        eng.eos_id = None
+    assert by_eos.finish_reason == "stop" and by_eos.tokens == want[:want.index(want[4]) + 1]
+    assert by_stop.finish_reason == "stop" and by_stop.text == text[:text.index(stop)]
+    one = run(eng, [eng.submit(prompts()[1], 1)])[0]
+    assert one.finish_reason == "length" and one.tokens == want[:1]
+
+
+def test_cancel_frees_the_slot():
+    eng = engine(slots=1)
+    first, second = eng.submit(prompts()[0], 50), eng.submit(prompts()[1], 11)
+    eng.step()
+    assert first.slot == 0 and eng.metrics()["queue_length"] == 1
+    eng.cancel(first)
+    run(eng, [second])
+    assert first.finish_reason == "cancelled" and len(first.tokens) < 50
+    assert second.tokens == expected()[1]
+
+
+def test_sampling_is_per_request_and_reproducible():
+    eng, p = shared_engine(), prompts()[0]
+    alone = run(eng, [eng.submit(p, 12, temperature=0.8, seed=7)])[0].tokens
+    batch = run(eng, [eng.submit(q, 12, temperature=0.8, seed=7 if q is p else i)
+                      for i, q in enumerate([prompts()[2], p, prompts()[3]])])
+    other = run(eng, [eng.submit(p, 12, temperature=0.8, seed=8)])[0].tokens
+    assert batch[1].tokens == alone and other != alone
+    # top_p so small that only the most likely token is left: sampling gives the greedy tokens.
+    nucleus = run(eng, [eng.submit(p, 10, temperature=1.0, top_p=1e-6, seed=3)])[0].tokens
+    assert nucleus == expected()[0]
+
+
+def test_sample_rows_draws_from_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).repeat(20000, 1)  # (rows, vocab_size)
+    n = logits.shape[0]
+    seed, pos = torch.arange(n), torch.full((n,), 5)
+    for temperature, top_p in [(1.0, 1.0), (0.5, 1.0), (1.0, 0.7)]:
+        t = torch.tensor([temperature] * n)
+        drawn = sample_rows(logits, t, torch.tensor([top_p] * n), seed, pos)
+        probs = torch.softmax(logits[0] / temperature, -1)
+        keep = probs.cumsum(-1) - probs <= top_p  # the nucleus
+        probs = probs * keep / (probs * keep).sum()
+        freq = torch.bincount(drawn, minlength=4).float() / n
+        assert torch.allclose(freq, probs, atol=0.015), (temperature, top_p, freq, probs)
+    greedy = sample_rows(logits[:3], torch.zeros(3), torch.ones(3), seed[:3], pos[:3])
+    assert greedy.tolist() == [0, 0, 0]
