@@ -36,3 +36,13 @@ def user_errors(debug=False):
         if debug:
             raise
         fail(str(e))
+
+
+def int_list(example):
+    """An argparse type: "4,2" -> (4, 2); `example` shows the form in the error."""
+    def parse(text):
+        try:
+            return tuple(int(k) for k in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list of ints like {example}") from None
+    return parse

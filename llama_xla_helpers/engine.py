@@ -125,13 +125,14 @@ def insert(decode_caches, prefill_caches, state, slot, row):
     return tuple(s.index_copy(0, slot, r) for s, r in zip(state, row))
 
 
-def decode_step(model, pin, state, active):
+def decode_step(model, pin, state, active, greedy):
     """One token for every slot, each at its own position; a free slot's (active False) is
-    ignored and its position stays. Returns (new tokens (B,), new state)."""
+    ignored and its position stays. greedy (a Python bool: two graphs) skips the sampling's
+    softmax and sort over the vocabulary when no busy slot samples. Returns (new tokens (B,), new state)."""
     ints, floats = state
     tokens, pos, pad, seed = ints.unbind(dim=-1)  # each (B,)
     logits = model(tokens[:, None], pos[:, None], pad)[:, -1]  # (B, vocab_size)
-    nxt = sample_rows(logits, floats[:, 0], floats[:, 1], seed, pos)
+    nxt = logits.argmax(dim=-1) if greedy else sample_rows(logits, floats[:, 0], floats[:, 1], seed, pos)
     ints = torch.stack([nxt, pos + active.long(), pad, seed], dim=-1)  # (B, 4)
     return pin(nxt), (pin(ints), pin(floats))
 
@@ -235,7 +236,8 @@ class Engine:
         self.admit()
         busy = [r is not None for r in self.running]
         if any(busy):
-            nxt, self.state = decode_step(self.model, self.pin, self.state, self.put(torch.tensor(busy)))
+            greedy = all(r.temperature == 0 for r in self.running if r is not None)
+            nxt, self.state = decode_step(self.model, self.pin, self.state, self.put(torch.tensor(busy)), greedy)
             torch_xla.sync()
             self.timeline.append([None if r is None else r.id for r in self.running])
             for slot, token in enumerate(nxt.cpu().tolist()):  # the one copy to the host per step: B tokens
@@ -332,12 +334,15 @@ class Engine:
                     "a new Python value; run with PT_XLA_DEBUG_LEVEL=2 to see which and why")
 
     def warmup(self):
-        """Compile every graph: each bucket's prefill, insert and decode, twice over so the
-        second round runs the steady-state graphs (the first round's inputs come from the
-        host, later ones from earlier graphs). Returns the number of compilations."""
+        """Compile every graph: each bucket's prefill, insert, and the greedy and sampling decode
+        steps, twice over so the second round runs the steady-state graphs (the first round's
+        inputs come from the host, later ones from earlier graphs). Returns the number of compilations."""
         start = count_compiles()
         for _ in range(2):
-            reqs = [self.submit([0] * b, max_tokens=2) for b in self.buckets]
+            reqs = []
+            for b, temperature in [(b, 0.0) for b in self.buckets] + [(self.buckets[0], 1.0)]:
+                reqs.append(self.submit([0] * b, max_tokens=2, temperature=temperature))
+                self.step()  # one at a time: a slot is free at each step, so any max_queue will do
             while not all(r.done for r in reqs):
                 self.step()
         self.requests_total = self.tokens_total = 0

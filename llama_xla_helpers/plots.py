@@ -7,6 +7,7 @@ as <name>.png.
 import os
 
 import numpy as np
+from matplotlib import rcParams
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
@@ -120,4 +121,25 @@ def plot_lines(series, xlabel, ylabel, title, name, log=False, marks=(), integer
     if integer_y:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
+    return _finish(fig, name)
+
+
+def plot_slots(timeline, name="slot_timeline", title="which request holds which slot"):
+    """The engine's slot timeline: timeline[step][slot] is a request id (None: free); each
+    request is one coloured bar in its slot's row, labelled with its id."""
+    steps, slots = len(timeline), len(timeline[0])
+    fig = Figure(figsize=(7, 0.5 + 0.45 * slots))
+    ax = fig.subplots()
+    colors = [c["color"] for c in rcParams["axes.prop_cycle"]]
+    for slot in range(slots):
+        step = 0
+        while step < steps:
+            rid, start = timeline[step][slot], step
+            while step < steps and timeline[step][slot] == rid:
+                step += 1
+            if rid is not None:
+                ax.broken_barh([(start, step - start)], (slot - 0.4, 0.8), color=colors[rid % len(colors)])
+                ax.text((start + step) / 2, slot, str(rid), ha="center", va="center", fontsize=8, color="white")
+    ax.set_yticks(range(slots)), ax.set_ylim(slots - 0.5, -0.5), ax.set_xlim(0, steps)
+    ax.set_xlabel("decode step"), ax.set_ylabel("slot"), ax.set_title(title)
     return _finish(fig, name)

@@ -7,7 +7,6 @@ The same command runs on this CPU mesh and on a TPU VM or pod (every host runs i
 process 0 prints and writes shared files). The mesh defaults to `mesh.mesh_shape` for the
 devices there are; `--mesh 4,2` fixes it, `--slices 2` spans 2 slices of a multi-slice pod.
 """
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -35,7 +34,7 @@ from .data import StepSampler, load_corpus, train_val_split
 from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_bytes
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
-from .cli import ArgumentParser, user_errors
+from .cli import ArgumentParser, int_list, user_errors
 from .runtime import chip, init_runtime
 from .sharding import STRATEGIES, shard_activations, shard_params, shard_shape, sharded_loader
 
@@ -364,12 +363,7 @@ def profile_step(cfg):
                 collectives=collectives(hlo))
 
 
-def mesh_arg(text):
-    """--mesh 4,2 -> (4, 2)."""
-    try:
-        return tuple(int(k) for k in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of ints like 4,2 (data, model)") from None
+mesh_arg = int_list("4,2 (data, model)")  # --mesh 4,2 -> (4, 2)
 
 
 def _parse_args(argv=None):

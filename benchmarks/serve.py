@@ -1,0 +1,451 @@
+"""Serving, side by side, in one run on one machine: continuous batching against its baselines.
+
+    python benchmarks/serve.py            # ~1 hour; writes results/serve.json and results/serve_*.png
+    python benchmarks/serve.py --quick    # ~2 minutes: 8 short requests, a 2-layer model; writes to a temp folder
+
+Workload: decode.py's ~56M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, MLP 1376,
+vocab 32000), fp32, random weights (torch.manual_seed(0)), one XLA CPU device. 64 requests
+with a fixed seed: prompt lengths uniform in [16, 400], output lengths uniform in [16, 256],
+token ids uniform in the vocabulary. There is no EOS, so every request makes exactly its output
+length, and every system is greedy. Prefill buckets (64, 128, 256, 512): a prompt of up to 400
+tokens pads to 512, so the cache holds 512 + 256 = 768 positions.
+
+Arrivals, in the request order, the same for every system:
+  all-at-once  all 64 at time 0
+  poisson-50%  Poisson arrivals at LOADS[0] x the engine's all-at-once request throughput
+  poisson-100% ... at LOADS[1] x that throughput
+The rates are fractions of the capacity measured first in this run (the engine, all at once),
+so they make sense on any machine (a TPU's capacity is not this CPU's): at 50% the queue
+stays short, at 100% it runs at the edge. The rates used are stored in the JSON.
+
+Systems:
+  engine       our `Engine`, 8 slots, warmed up first (not timed). The loop below submits each
+               request when its arrival time has come and calls engine.step(); no threads.
+  static       our `Generator`, batches of 8 in arrival order: a batch starts when its 8th
+               request has arrived and the previous batch is done, and runs for the longest
+               output in it. A request's first token comes after the batch's prefill; it ends
+               with its batch (generate returns at the end); only its own output counts.
+  hf-cb        Hugging Face's continuous batching (`model.init_continuous_batching`), plain
+               eager PyTorch on the same CPU: at most 8 requests and 512 tokens per batch, a paged
+               KV cache of the engine's size (8 x 768 positions), no prefix caching (ours has none). Its
+               per-token timestamps (record_timestamps=True) give each request's first token.
+  hf-eager     Hugging Face generate, one request at a time in arrival order (all-at-once only:
+               it would only be slower at any rate); a streamer timestamps the first token.
+  http         the engine behind our OpenAI-compatible server: a real `python -m
+               llama_xla_helpers.serve` process (8 slots, one device) serving the same weights
+               from a folder written here; 8 client threads send /v1/completions with
+               stream=true (all-at-once only). The server takes a prompt as text, not as token
+               ids, so the folder gets a word-level tokenizer ("t0" .. "t31999", one word per id,
+               no BOS or EOS): the prompt "t17 t4 ..." encodes to exactly the workload's ids. It
+               runs last; the in-process engine (no thread of its own) is idle by then.
+
+Per system and arrival pattern: output tokens/s (all output tokens / time from the first
+arrival to the last completion), time to first token (TTFT, from the request's arrival) p50 and
+p99, time per output token (TPOT, per request: (finish - first token) / (n - 1)) p50 and p99.
+HTTP overhead = 1 - http tokens/s / engine tokens/s, all at once. Targets (met or missed, as
+measured): engine >= 2x static and >= hf-cb throughput; HTTP overhead <= 10%; no compilation
+after warm-up (engine and server; static's count is stored too). The decode steps the two
+schedules need, all at once, are counted too: their ratio is the most the engine can gain over
+static batching when a step costs the same (prefill aside).
+
+Decode speed, from the same run: a decode step (prefill excluded) of `Generator` against HF
+eager generate at batch 1, 8 and 32 (32-token prompts, 64 new tokens; HF's step is
+(time of 64 tokens - time of 1) / 63). The goal: at B8 and B32 at most HF eager's.
+"""
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from llama_xla_helpers import plots  # first: it picks the XLA device before torch_xla loads
+import numpy as np
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils.logging import disable_progress_bar
+
+from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.engine import Engine
+from llama_xla_helpers.generate import Generator
+from llama_xla_helpers.metrics import count_compiles
+from llama_xla_helpers.model import Llama
+from llama_xla_helpers.runtime import init_runtime
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MODEL = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1376,
+             vocab_size=32000, initializer_range=0.2)  # decode.py's CONFIG, with the layers below
+SLOTS = 8
+LOADS = (0.5, 1.0)  # Poisson rates, as fractions of the engine's all-at-once requests/s
+DECODE_PROMPT = 32
+
+
+@dataclasses.dataclass
+class Setup:
+    layers: int = 8
+    requests: int = 64
+    prompt_lens: tuple = (16, 400)
+    output_lens: tuple = (16, 256)
+    buckets: tuple = (64, 128, 256, 512)
+    decode_batches: tuple = (1, 8, 32)
+    decode_new: int = 64
+
+    @property
+    def config(self):
+        return get_config("tiny", num_hidden_layers=self.layers, **MODEL)
+
+    @property
+    def max_seq_len(self):  # the longest prompt pads to the largest bucket
+        return self.buckets[-1] + self.output_lens[1]
+
+
+FULL = Setup()
+QUICK = Setup(layers=2, requests=8, prompt_lens=(8, 100), output_lens=(4, 16), buckets=(64, 128),
+              decode_batches=(1, 8), decode_new=8)
+
+
+def workload(setup, seed=0):
+    """[(prompt token ids, output length)] for every request."""
+    g = random.Random(seed)
+    prompt = lambda: [g.randrange(setup.config.vocab_size) for _ in range(g.randint(*setup.prompt_lens))]
+    return [(prompt(), g.randint(*setup.output_lens)) for _ in range(setup.requests)]
+
+
+def poisson(n, rate, seed=1):
+    """n arrival times (s) of a Poisson process at `rate` per second, the first at 0."""
+    g = random.Random(seed)
+    return np.cumsum([0.0] + [g.expovariate(rate) for _ in range(n - 1)]).tolist()
+
+
+def summary(system, pattern, rows, work):
+    """The metrics of one run; rows: (arrival, first token, finish, tokens) per request, in seconds."""
+    if [row[3] for row in rows] != [n for _, n in work]:
+        raise RuntimeError(f"{system} ({pattern}) did not make exactly each request's output length")
+    arrival, first, finish, n = (np.array(c) for c in zip(*rows))
+    seconds = finish.max() - arrival.min()
+    ttft, tpot = first - arrival, (finish - first)[n > 1] / (n - 1)[n > 1]
+    r = dict(system=system, pattern=pattern, requests=len(rows), output_tokens=int(n.sum()), seconds=seconds,
+             tokens_per_s=n.sum() / seconds, requests_per_s=len(rows) / seconds,
+             ttft_p50_s=np.percentile(ttft, 50), ttft_p99_s=np.percentile(ttft, 99),
+             tpot_p50_ms=1e3 * np.percentile(tpot, 50), tpot_p99_ms=1e3 * np.percentile(tpot, 99))
+    r = {k: float(v) if isinstance(v, np.floating) else v for k, v in r.items()}
+    print(f"{system:8s} {pattern:12s} {r['tokens_per_s']:7.1f} tokens/s  TTFT p50 {r['ttft_p50_s']:6.2f} s "
+          f"p99 {r['ttft_p99_s']:6.2f} s  TPOT p50 {r['tpot_p50_ms']:6.1f} ms p99 {r['tpot_p99_ms']:6.1f} ms  "
+          f"({r['seconds']:.0f} s)", flush=True)  # progress
+    return r
+
+
+def wait_until(t):
+    time.sleep(max(0.0, t - time.perf_counter()))
+
+
+# --- The systems: each runs the workload with arrival times (s from its start) and returns rows ---
+
+def run_engine(engine, work, arrivals):
+    t0, pending, reqs = time.perf_counter(), list(zip(arrivals, work)), []
+    while pending or not all(r.done for r in reqs):
+        while pending and t0 + pending[0][0] <= time.perf_counter():
+            prompt, n = pending.pop(0)[1]
+            reqs.append(engine.submit(prompt, n))
+        if not engine.step() and pending:  # idle: sleep until the next arrival
+            wait_until(t0 + pending[0][0])
+    return [(t0 + a, r.first_token_at, r.finished_at, len(r.tokens)) for a, r in zip(arrivals, reqs)]
+
+
+def run_static(gen, work, arrivals):
+    t0, free, rows = time.perf_counter(), time.perf_counter(), []
+    for k in range(0, len(work), SLOTS):
+        batch, arrived = work[k:k + SLOTS], [t0 + a for a in arrivals[k:k + SLOTS]]
+        wait_until(max(arrived[-1], free))  # its last request has arrived, the previous batch is done
+        start = time.perf_counter()
+        _, stats = gen.generate([p for p, _ in batch], max(n for _, n in batch))
+        free = time.perf_counter()
+        rows += [(a, start + stats.prefill_s, free, n) for a, (_, n) in zip(arrived, batch)]
+    return rows
+
+
+def run_hf_cb(manager, work, arrivals):
+    t0, ids = time.perf_counter(), []
+    for a, (prompt, n) in zip(arrivals, work):
+        wait_until(t0 + a)
+        ids.append(manager.add_request(prompt, max_new_tokens=n, record_timestamps=True))
+    out = {}
+    while len(out) < len(ids):
+        r = manager.get_result(timeout=1)
+        if r is None and not manager.is_running():
+            raise RuntimeError("Hugging Face's continuous batching loop stopped; see its log above")
+        if r is not None and r.is_finished():
+            out[r.request_id] = r
+    return [(t0 + a, out[i].timestamps[0], out[i].timestamps[-1], len(out[i].generated_tokens))
+            for a, i in zip(arrivals, ids)]
+
+
+class Clock(BaseStreamer):
+    """Times of HF generate's put() calls: the prompt, then each new token."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_hf_eager(hf, work, arrivals):
+    t0, rows = time.perf_counter(), []
+    for a, (prompt, n) in zip(arrivals, work):
+        wait_until(t0 + a)
+        ids, clock = torch.tensor([prompt]), Clock()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=0, streamer=clock)
+        rows.append((t0 + a, clock.times[1], clock.times[-1], len(clock.times) - 1))
+    return rows
+
+
+def complete(url, prompt, n):
+    """One streamed /v1/completions request: (first text, finish, completion tokens)."""
+    body = dict(prompt=" ".join(f"t{i}" for i in prompt), max_tokens=n, temperature=0, stream=True,
+                stream_options=dict(include_usage=True))
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    first = usage = None
+    with urllib.request.urlopen(request) as response:
+        for line in response:  # server-sent events: "data: {chunk}" lines, then "data: [DONE]"
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter()
+            usage = chunk.get("usage") or usage
+    return first, time.perf_counter(), usage["completion_tokens"]
+
+
+def run_http(url, work):
+    """All requests arrive at once; SLOTS client threads send them in order."""
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
+        return [(t0, *r) for r in pool.map(lambda w: complete(url, *w), work)]
+
+
+# --- Building and warming up each system ---------------------------------------------------------
+
+def build_engine(hf, setup):
+    model = Llama.from_hf(hf, max_batch_size=SLOTS, max_seq_len=setup.max_seq_len)
+    engine = Engine(model, SLOTS, setup.buckets, max_queue=setup.requests, on_recompile="count")
+    print(f"engine warm-up: {engine.warmup()} compilations", flush=True)
+    return engine
+
+
+def build_static(hf, setup):
+    gen = Generator(Llama.from_hf(hf, max_batch_size=SLOTS, max_seq_len=setup.max_seq_len), setup.buckets)
+    for b in setup.buckets * 2:  # every bucket's prefill and the decode step, twice
+        gen.generate([[0] * b] * SLOTS, 3)
+    return gen
+
+
+def build_hf_cb(hf, setup):
+    """A started manager, run once on a few requests (not timed)."""
+    pages = SLOTS * math.ceil(setup.max_seq_len / 256)  # 256-token pages: the engine's 8 x max_seq_len
+    cb = ContinuousBatchingConfig(page_size=256, num_blocks=pages, max_batch_tokens=setup.buckets[-1],
+                                  max_requests_per_batch=SLOTS, allow_block_sharing=False)
+    manager = hf.init_continuous_batching(GenerationConfig(do_sample=False, eos_token_id=-1), cb)
+    manager.warmup()
+    manager.start()
+    run_hf_cb(manager, workload(setup, seed=2)[:SLOTS], [0.0] * SLOTS)
+    return manager
+
+
+def model_dir(hf, folder):
+    """The model for the server: weights, config and a word-level tokenizer ("t<id>" per id)."""
+    disable_progress_bar()
+    hf.save_pretrained(folder)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(hf.config.vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(folder)
+
+
+def start_server(folder, setup):
+    """A `serve` process on a free port, warmed up; returns (process, url)."""
+    cmd = [sys.executable, "-m", "llama_xla_helpers.serve", folder, "--slots", str(SLOTS), "--mesh", "1,1",
+           "--max-seq-len", str(setup.max_seq_len), "--buckets", ",".join(map(str, setup.buckets)),
+           "--max-queue", str(setup.requests), "--host", "127.0.0.1", "--port", "0"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    for line in server.stdout:
+        print(f"  server: {line.rstrip()}", flush=True)
+        if line.startswith("ready on "):
+            return server, line.split()[-1]
+    raise RuntimeError(f"the server exited with status {server.wait()} before it was ready; see its messages above")
+
+
+def server_compiles(url):
+    text = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    return int(next(line.split()[-1] for line in text.splitlines() if line.startswith("llama_xla_compiles_since")))
+
+
+def decode_steps(work):
+    """Decode steps, all at once: (engine: the next request takes the first slot that frees up,
+    static: each batch runs its longest output). The first token comes from prefill."""
+    free = [0] * SLOTS  # the step at which each slot frees up
+    for _, n in work:
+        free[free.index(min(free))] += n - 1
+    return max(free), sum(max(n for _, n in work[k:k + SLOTS]) - 1 for k in range(0, len(work), SLOTS))
+
+
+# --- Decode speed -----------------------------------------------------------------------------------
+
+def hf_seconds(hf, ids, new):
+    start = time.perf_counter()
+    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def decode_speed(hf, setup):
+    """Per batch size: a decode step of Generator and of HF eager generate, ms."""
+    new = setup.decode_new
+    gen = Generator(Llama.from_hf(hf, max_batch_size=max(setup.decode_batches), max_seq_len=DECODE_PROMPT + new),
+                    buckets=(DECODE_PROMPT,))
+    rows = []
+    for batch in setup.decode_batches:
+        ids = torch.randint(0, hf.config.vocab_size, (batch, DECODE_PROMPT), generator=torch.Generator().manual_seed(0))
+        gen.generate(ids.tolist(), new)  # compiles
+        _, stats = gen.generate(ids.tolist(), new)
+        hf_seconds(hf, ids, 4)  # warm-up
+        hf_step = (hf_seconds(hf, ids, new) - hf_seconds(hf, ids, 1)) / (new - 1)
+        rows.append(dict(batch=batch, ours_ms=1e3 * stats.decode_step_s, hf_eager_ms=1e3 * hf_step,
+                         compiles=stats.compiles))
+        print(f"decode step, batch {batch:2d}: ours {rows[-1]['ours_ms']:6.2f} ms, HF eager "
+              f"{rows[-1]['hf_eager_ms']:6.2f} ms", flush=True)  # progress
+    return rows
+
+
+# --- The run --------------------------------------------------------------------------------------
+
+def patterns(n, engine_requests_per_s):
+    rates = {f"poisson-{load:.0%}": load * engine_requests_per_s for load in LOADS}
+    return {"all-at-once": [0.0] * n} | {name: poisson(n, rate) for name, rate in rates.items()}, rates
+
+
+def run_all(setup, folder):
+    """Every system on every pattern it runs; returns the result dict."""
+    init_runtime(cpu_devices=1)  # one device: on 8 virtual devices an unsharded program runs 8 times
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(setup.config).eval()
+    work, runs = workload(setup), []
+    steps = dict(zip(("engine", "static"), decode_steps(work)))
+    print(f"decode steps, all at once: engine {steps['engine']}, static {steps['static']}", flush=True)
+    engine = build_engine(hf, setup)
+    runs.append(summary("engine", "all-at-once", run_engine(engine, work, [0.0] * len(work)), work))
+    arrivals, rates = patterns(len(work), runs[0]["requests_per_s"])
+    for name in list(arrivals)[1:]:
+        runs.append(summary("engine", name, run_engine(engine, work, arrivals[name]), work))
+    gen = build_static(hf, setup)
+    compiles = count_compiles()
+    runs += [summary("static", name, run_static(gen, work, a), work) for name, a in arrivals.items()]
+    compiles = dict(engine=engine.compiles_since_warmup, static=count_compiles() - compiles)
+    with torch.no_grad():
+        runs.append(summary("hf-eager", "all-at-once", run_hf_eager(hf, work, arrivals["all-at-once"]), work))
+        decode = decode_speed(hf, setup)
+        manager = build_hf_cb(hf, setup)
+        runs += [summary("hf-cb", name, run_hf_cb(manager, work, a), work) for name, a in arrivals.items()]
+        manager.stop()
+    model_dir(hf, folder)
+    server, url = start_server(folder, setup)
+    try:
+        complete(url, [1, 2, 3], 2)  # the first request through HTTP (not timed)
+        runs.append(summary("http", "all-at-once", run_http(url, work), work))
+        compiles["server"] = server_compiles(url)
+    finally:
+        server.terminate()
+        print(f"  server: {server.communicate(timeout=120)[0].strip()}")
+    return dict(quick=setup is QUICK, config=setup.config.to_diff_dict(), setup=dataclasses.asdict(setup),
+                slots=SLOTS, max_seq_len=setup.max_seq_len, loads=LOADS, rates_per_s=rates, decode_steps=steps,
+                compiles_after_warmup=compiles, runs=runs, decode=decode)
+
+
+def targets(result):
+    """(target, measured, met) for each of the issue's targets."""
+    get = {(r["system"], r["pattern"]): r["tokens_per_s"] for r in result["runs"]}
+    decode = {r["batch"]: r for r in result["decode"]}
+    steps = result["decode_steps"]
+    ceiling = f" (static needs {steps['static'] / steps['engine']:.2f}x the engine's decode steps)"
+    rows = []
+    for pattern in ("all-at-once", *result["rates_per_s"]):
+        x = get["engine", pattern] / get["static", pattern]
+        rows.append((f"engine >= 2x static batching tokens/s ({pattern})",
+                     f"{x:.2f}x" + ceiling * (pattern == "all-at-once"), x >= 2))
+        x = get["engine", pattern] / get["hf-cb", pattern]
+        rows.append((f"engine >= HF continuous batching tokens/s ({pattern})", f"{x:.2f}x", x >= 1))
+    overhead = 1 - get["http", "all-at-once"] / get["engine", "all-at-once"]
+    rows.append(("HTTP overhead <= 10% (all-at-once)", f"{overhead:.1%}", overhead <= 0.10))
+    compiles = result["compiles_after_warmup"]
+    rows.append(("0 compilations after warm-up", f"engine {compiles['engine']}, server {compiles['server']}",
+                 compiles["engine"] == compiles["server"] == 0))
+    for b in sorted({8, 32} & set(decode)):
+        d = decode[b]
+        rows.append((f"decode step at batch {b} <= HF eager's", f"{d['ours_ms']:.1f} ms vs {d['hf_eager_ms']:.1f} ms",
+                     d["ours_ms"] <= d["hf_eager_ms"]))
+    return [dict(target=t, measured=m, met=bool(ok)) for t, m, ok in rows]
+
+
+def latencies(runs, key, unit):
+    """{system: {"p50 pattern": value, "p99 pattern": value, ...}} of ttft or tpot, for plot_bars."""
+    groups = {}
+    for r in runs:
+        for p in ("p50", "p99"):
+            groups.setdefault(r["system"], {})[f"{p} {r['pattern']}"] = r[f"{key}_{p}_{unit}"]
+    return groups
+
+
+def report(result):
+    """Print the tables and targets and return the figures (a notebook may call this on the saved JSON)."""
+    columns = ["system", "pattern", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "seconds"]
+    print(plots.table([{k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in columns}
+                       for r in result["runs"]], columns))
+    print(plots.table([{k: round(v, 2) for k, v in r.items()} for r in result["decode"]]))
+    for t in result["targets"]:
+        print(f"{'met   ' if t['met'] else 'missed'}  {t['target']}: {t['measured']}")
+    runs = result["runs"]
+    return [plots.plot_bars({p: {r["system"]: r["tokens_per_s"] for r in runs if r["pattern"] == p}
+                             for p in dict.fromkeys(r["pattern"] for r in runs)},
+                            "output tokens/s", "serving throughput per arrival pattern", name="serve_throughput"),
+            plots.plot_bars(latencies(runs, "ttft", "s"), "seconds", "time to first token (p50, p99)",
+                            name="serve_ttft", log=True),
+            plots.plot_bars(latencies(runs, "tpot", "ms"), "ms", "time per output token (p50, p99)",
+                            name="serve_tpot", log=True),
+            plots.plot_lines({name: {r["batch"]: r[key] for r in result["decode"]}
+                              for name, key in (("ours", "ours_ms"), ("hf-eager", "hf_eager_ms"))},
+                             "batch size", "ms per decode step", "decode step vs batch size (prefill excluded)",
+                             name="serve_decode_step", log=True)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 short requests, a 2-layer model; a temp folder")
+    args = parser.parse_args()
+    setup, start = QUICK if args.quick else FULL, time.perf_counter()
+    out = tempfile.mkdtemp(prefix="serve-quick-") if args.quick else RESULTS
+    os.environ["LLAMA_XLA_FIGURES"] = out  # the figures go beside the JSON
+    with tempfile.TemporaryDirectory() as folder:
+        result = run_all(setup, folder)
+    result["targets"] = targets(result)
+    result["seconds"] = time.perf_counter() - start
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "serve.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    report(result)
+    print(f"{result['seconds']:.0f} s; results in {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,581 @@
+"""An OpenAI-compatible HTTP server over the continuous-batching `Engine`, and its command line.
+
+    python -m llama_xla_helpers.serve DIR --port 8000    # DIR: a Hugging Face folder or a training checkpoint
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "DIR", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
+
+The same server inside this process (on a TPU only one process can hold the chips, so a
+notebook runs uvicorn in a thread of its kernel, not in a child process):
+
+    engine, tokenizer = load_engine("tiny-llama", slots=4)
+    engine.warmup()                                          # every graph compiles here, once
+    server = start_in_thread(app(engine, tokenizer, "tiny-llama"), port=8000)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    server.stop()                                            # finishes the requests in flight
+
+Two threads share the work. uvicorn's event loop answers HTTP; the engine loop (`Engine.run`)
+steps in a thread of its own, which the app starts and stops with itself (its lifespan). A
+request is submitted from the event loop; after each of its tokens the engine calls back in the
+engine's thread, and the callback only hands a snapshot (text, token count, finish reason) to
+the request's asyncio.Queue with `loop.call_soon_threadsafe`: the engine never waits for HTTP.
+A client that disconnects cancels its request, which frees its slot at the next step. SIGTERM
+(or Ctrl+C): uvicorn stops accepting connections and waits for the requests in flight while
+the engine keeps stepping; then the engine loop ends and the process exits with status 0.
+
+Endpoints, with OpenAI's names, defaults and error format ({"error": {"message", "type",
+"param", "code"}}: 400 for a bad parameter, 404 for an unknown model, 429 when the queue is full):
+
+- POST /v1/completions (prompt: a string), POST /v1/chat/completions (messages). Parameters:
+  model, max_tokens (default 16; chat also takes max_completion_tokens), temperature (default 1;
+  0 is greedy), top_p, seed, stop (a string or a list), stream, stream_options.include_usage.
+  Responses carry `usage` and `finish_reason` ("stop": EOS or a stop string; "length").
+  `stream: true` sends server-sent events, one chunk per new piece of text, then `data: [DONE]`.
+  A streamed chunk holds back text that may still change: an unfinished UTF-8 character (U+FFFD
+  until its last byte arrives) and a tail that may be the start of a stop string. So the chunks
+  add up to exactly the text a non-streamed request returns.
+- GET /v1/models, GET /health (503 once the engine loop has stopped), GET /metrics (Prometheus
+  text: requests, tokens, busy slots, queue length, compilations since warm-up).
+
+Prompts: /v1/completions encodes the prompt as it is (with BOS). /v1/chat/completions uses the
+tokenizer's chat template if it has one. Otherwise (the byte tokenizer of a training checkpoint,
+or a tokenizer without a template) it writes a plain transcript: one "role: content" line per
+message, then "assistant:".
+
+Sources: the OpenAI API reference, completions https://platform.openai.com/docs/api-reference/completions,
+chat https://platform.openai.com/docs/api-reference/chat and streaming
+https://platform.openai.com/docs/api-reference/chat-streaming; JetStream's server over its engine,
+https://github.com/AI-Hypercomputer/JetStream; Prometheus' text format,
+https://prometheus.io/docs/instrumenting/exposition_formats/; uvicorn's graceful shutdown,
+https://www.uvicorn.org/server-behavior/
+"""
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import re
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch_xla.runtime as xr
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+from transformers import LlamaConfig
+
+from . import checkpoint
+from .cli import ArgumentParser, int_list, user_errors
+from .data import ByteTokenizer
+from .engine import Engine, QueueFull
+from .generate import check_buckets, load_tokenizer
+from .mesh import make_mesh, mesh_shape
+from .model import Llama, ModelArgs
+from .parallel import check_tensor_parallel, replicate_kv_heads, shard_for_inference
+from .quantize import quantize as quantize_model
+from .runtime import init_runtime
+from .train import DTYPES, TrainConfig, build_model, mesh_arg, model_config
+
+MAX_SEQ_LEN = 2048  # the default cache length: max_position_embeddings, capped here
+BUCKETS = (128, 256, 384, 512)  # default prefill buckets: those up to half the cache
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+POLL_S = 0.5  # a waiting request checks this often whether its client is still there
+
+
+# --- Loading a model into an engine ------------------------------------------------------------
+
+def read_config(path):
+    """(LlamaConfig, None) of a Hugging Face folder, or (LlamaConfig, step folder) of a training
+    checkpoint: a step_XXXXXXXX folder, or a folder of them (the newest that verifies is taken).
+    A checkpoint's files are verified here, once; its config is meta.json's extra["config"]."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return model_config(TrainConfig(init_from=str(path))), None
+    if (path / checkpoint.META).is_file():
+        step, meta = path, checkpoint.verify(path)
+    else:
+        step = checkpoint.latest(path)
+        if step is None:
+            raise FileNotFoundError(f"{str(path)!r} holds neither config.json (a Hugging Face folder) nor a "
+                                    f"training checkpoint (step_XXXXXXXX/{checkpoint.META}); pass one of those")
+        meta = checkpoint.read_meta(step)
+    if "config" not in meta["extra"]:
+        raise ValueError(f"{step / checkpoint.META} has no extra['config'] (the model's config); serve a "
+                         f"checkpoint written by train, or export the model with checkpoint.export_hf")
+    return LlamaConfig.from_dict(meta["extra"]["config"]), step
+
+
+def read_tokenizer(path, step, config):
+    """The folder's Hugging Face tokenizer if it has one, else the byte tokenizer (training's)."""
+    if step is None and any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        return load_tokenizer(path)
+    if config.vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(f"{path} has no tokenizer, and its vocab_size={config.vocab_size} is smaller than the byte "
+                         f"tokenizer's {ByteTokenizer.vocab_size}; add the model's tokenizer files to the folder")
+    return ByteTokenizer()
+
+
+def check_lengths(config, max_seq_len, buckets):
+    """ValueError unless the cache fits the model's positions and the buckets fit the cache (with
+    the 2 tokens the engine's warm-up generates after the largest)."""
+    if max_seq_len > config.max_position_embeddings:
+        raise ValueError(f"max_seq_len={max_seq_len} > the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}; pass --max-seq-len {config.max_position_embeddings} or less")
+    check_buckets(buckets, max_seq_len, room=2)
+
+
+def mesh_shape_for(n, config):
+    """The default (data, model) mesh shape for n devices: 'model' is the widest axis that divides n,
+    the query heads, the MLP and the vocabulary, and that divides n_kv_heads or is a multiple of it
+    (then the KV heads are copied, see `serving_mesh`); the devices left over form 'data'."""
+    def fits(tp):
+        kv = config.num_key_value_heads % tp == 0 or tp % config.num_key_value_heads == 0
+        split = (config.num_attention_heads, config.intermediate_size, config.vocab_size)
+        return n % tp == 0 and kv and all(v % tp == 0 for v in split)
+    tp = max(filter(fits, range(1, n + 1)))
+    return n // tp, tp
+
+
+def serving_mesh(args, shape):
+    """(the mesh, copies of each KV head) for a (data, model) shape, or (None, 1) for one device.
+
+    A 'model' axis wider than n_kv_heads needs each KV head copied 'model' / n_kv_heads times
+    (`replicate_kv_heads`) so the cache still splits on heads; 'data' splits the slots. ValueError,
+    naming the fix, if the model (args, with the slots as max_batch_size) does not split evenly.
+    """
+    data, tp = shape
+    if data * tp == 1:
+        return None, 1
+    mesh = make_mesh(shape)
+    factor = tp // args.n_kv_heads if tp > args.n_kv_heads and tp % args.n_kv_heads == 0 else 1
+    if args.max_batch_size % data:
+        raise ValueError(f"slots={args.max_batch_size} is not divisible by the mesh's 'data' axis of size {data}, "
+                         f"which splits the slots; pass --slots {data * -(-args.max_batch_size // data)} or another --mesh")
+    check_tensor_parallel(dataclasses.replace(args, n_kv_heads=args.n_kv_heads * factor), mesh)
+    return mesh, factor
+
+
+def read_weights(path, step, config, args):
+    """The inference Llama, on the CPU, of a Hugging Face folder, or of a training checkpoint: the
+    sharded training model is rebuilt as train does, filled by `checkpoint.load` (already
+    verified by `read_config`) and gathered to the host."""
+    if step is None:
+        return Llama.from_pretrained(path, args.max_batch_size, args.max_seq_len)
+    dtype = checkpoint.read_meta(step)["extra"].get("train_config", {}).get("dtype") or "fp32"
+    hf = build_model(config, make_mesh(mesh_shape(None, config)), dtype=DTYPES[dtype])
+    checkpoint.load(step, hf, verified=True)
+    return Llama.from_state_dict(args, {name: t.cpu() for name, t in hf.state_dict().items()})
+
+
+def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buckets=None, dtype=None,
+                quantize=None):
+    """(Engine, tokenizer) for the model at `path`, not yet warmed up. Every argument is checked
+    against the model's config before a weight is read.
+
+    slots: 4 by default (rounded up to a multiple of the mesh's 'data' axis); max_seq_len: the
+    config's max_position_embeddings capped at 2048; mesh: (data, model) devices (default:
+    `mesh_shape_for`; on a CPU it sets the number of virtual devices, as train's --mesh does);
+    buckets: those of 128, 256, 384, 512 up to half the cache; dtype: "bf16" or "fp32" (default:
+    bf16 on a TPU, fp32 on a CPU); quantize: None, "int8" or "int4" (weight-only, `quantize.quantize`).
+    """
+    config, step = read_config(path)
+    max_seq_len = max_seq_len or min(config.max_position_embeddings, MAX_SEQ_LEN)
+    buckets = tuple(buckets or [b for b in BUCKETS if 2 * b <= max_seq_len] or [max_seq_len // 2])
+    check_lengths(config, max_seq_len, buckets)
+    tokenizer = read_tokenizer(path, step, config)
+    init_runtime(cpu_devices=math.prod(mesh) if mesh else None)
+    shape = tuple(mesh) if mesh else mesh_shape_for(xr.global_runtime_device_count(), config)
+    slots = slots or shape[0] * -(-4 // shape[0])  # 4, or the next multiple of 'data'
+    args = ModelArgs.from_hf_config(config, slots, max_seq_len)
+    mesh, factor = serving_mesh(args, shape)
+    dtype = dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
+    model = read_weights(path, step, config, args).to(DTYPES[dtype])
+    if factor > 1:
+        model = replicate_kv_heads(model, factor)
+    if quantize:
+        model = quantize_model(model, quantize)
+    if mesh is not None:
+        model = shard_for_inference(model, mesh)
+    decode, eos_id = decoder(tokenizer)
+    return Engine(model, slots, buckets, max_queue, eos_id, decode, on_recompile="count"), tokenizer
+
+
+# --- Text in, text out -------------------------------------------------------------------------
+
+def decoder(tokenizer):
+    """(tokens -> text without special tokens, the EOS id) for the Engine."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.decode, tokenizer.eos_id
+    return functools.partial(tokenizer.decode, skip_special_tokens=True), tokenizer.eos_token_id
+
+
+def encode(tokenizer, text):
+    """Token ids of a prompt, with BOS (once: a chat template may have written it already)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text)
+    bos = tokenizer.bos_token
+    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+
+def chat_prompt(tokenizer, messages):
+    """The prompt of a chat: the tokenizer's template, else one "role: content" line per message."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def settled(text, stop):
+    """The part of a running request's text that later tokens cannot change: without a trailing
+    U+FFFD (an unfinished UTF-8 character decodes to it until its last byte arrives) and without
+    a tail that may be the start of a stop string (which would be cut)."""
+    text = text.rstrip("\ufffd")
+    for k in range(min(len(text), max(map(len, stop), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stop):
+            return text[:-k]
+    return text
+
+
+# --- The HTTP API ------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both endpoints take (OpenAI's names; unknown fields are ignored)."""
+    model: str | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+
+
+class CompletionBody(Sampling):
+    prompt: str = Field(min_length=1)
+
+
+class Message(BaseModel):
+    role: str
+    content: str
+
+
+class ChatBody(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # chat's newer name for max_tokens; wins if given
+
+
+@dataclasses.dataclass
+class Served:
+    engine: Engine
+    tokenizer: object
+    model_name: str
+    thread: threading.Thread = None  # the engine loop, while the app runs
+
+    def running(self):
+        return self.thread is not None and self.thread.is_alive()
+
+
+Update = collections.namedtuple("Update", "text count reason")  # a request after a step: text, tokens, finish reason
+
+
+def api_error(status, message, type="invalid_request_error", param=None, code=None):
+    """An HTTPException whose detail is OpenAI's error object (see `http_error`)."""
+    return HTTPException(status, dict(message=message, type=type, param=param, code=code))
+
+
+async def http_error(request, exc):
+    """Every HTTP error as OpenAI's {"error": {...}}: ours, unknown routes, wrong methods."""
+    detail = exc.detail if isinstance(exc.detail, dict) else dict(
+        message=str(exc.detail), type="invalid_request_error", param=None, code=None)
+    return JSONResponse({"error": detail}, exc.status_code, headers=exc.headers)
+
+
+async def bad_request(request, exc):
+    """A body that does not validate: 400 as OpenAI answers (FastAPI's default is 422)."""
+    first = exc.errors()[0]
+    param = ".".join(map(str, first["loc"][1:])) or None  # loc: ("body", "max_tokens")
+    return await http_error(request, api_error(400, f"{param}: {first['msg']}" if param else first["msg"], param=param))
+
+
+def submit(served, request, body, prompt):
+    """Queue the request; returns (engine Request, async iterator of its Updates). 400 for a value
+    the engine rejects, 429 when the queue is full."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+    def callback(req):  # the engine's thread: hand over a snapshot, never block
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is waiting
+            loop.call_soon_threadsafe(queue.put_nowait, Update(req.text, len(req.tokens), req.finish_reason))
+    try:
+        req = served.engine.submit(prompt, body.max_tokens, body.temperature, body.top_p, body.seed,
+                                   body.stop or (), callback)
+    except QueueFull as e:
+        raise api_error(429, str(e), "rate_limit_error", code="queue_full") from None
+    except ValueError as e:  # the engine names the value, e.g. "top_p=0.0 must be in (0, 1]"
+        name = re.match(r"(\w+)=", str(e))
+        raise api_error(400, str(e), param=name[1] if name and name[1] in Sampling.model_fields else None) from None
+    return req, updates(served, request, req, queue)
+
+
+async def updates(served, request, req, queue):
+    """The request's Updates as the engine makes them, until it finishes. The request is cancelled
+    (its slot freed) if this ends first: the client disconnected, or a stream was closed."""
+    try:
+        while True:
+            try:
+                update = await asyncio.wait_for(queue.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected() or not served.running():
+                    return
+                continue
+            yield update
+            if update.reason:
+                return
+    finally:
+        if not req.done:
+            served.engine.cancel(req)
+
+
+def choice(chat, text, reason, stream=False, first=False):
+    """One entry of a response's `choices` (a streamed chunk's, if stream)."""
+    if not chat:
+        return dict(index=0, text=text, logprobs=None, finish_reason=reason)
+    if not stream:
+        return dict(index=0, message=dict(role="assistant", content=text), logprobs=None, finish_reason=reason)
+    delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+    return dict(index=0, delta=delta, logprobs=None, finish_reason=reason)
+
+
+def usage(prompt_tokens, completion_tokens):
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)
+
+
+async def events(head, chat, body, prompt_tokens, stream):
+    """Server-sent events of a streamed response: a chunk per piece of settled text, the last one
+    with finish_reason, a usage chunk if asked for, then [DONE] (not if the engine stopped first)."""
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    sent, first = "", True
+    async for u in stream:
+        text = u.text if u.reason else settled(u.text, stop)
+        if u.reason or len(text) > len(sent):
+            chunk = choice(chat, text[len(sent):], u.reason, stream=True, first=first)
+            yield f"data: {json.dumps({**head, 'choices': [chunk]})}\n\n"
+            sent, first = text, False
+        if u.reason and body.stream_options and body.stream_options.include_usage:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, u.count)})}\n\n"
+        if u.reason:
+            yield "data: [DONE]\n\n"
+
+
+async def respond(request, body, prompt, chat):
+    """Run a completion (chat or not) and answer: one JSON body, or server-sent events."""
+    served = request.app.state.served
+    if body.model not in (None, served.model_name):
+        raise api_error(404, f"the model {body.model!r} does not exist; this server serves {served.model_name!r}",
+                        param="model", code="model_not_found")
+    req, stream = submit(served, request, body, prompt)
+    kind = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
+    head = dict(id=f"{kind[1]}-{req.id}", object=kind[0], created=int(time.time()), model=served.model_name)
+    if body.stream:
+        head["object"] += ".chunk" if chat else ""
+        return StreamingResponse(events(head, chat, body, len(prompt), stream), media_type="text/event-stream")
+    last = None
+    async for last in stream:
+        pass
+    if last is None or not last.reason:  # the client left (nobody reads this) or the engine stopped
+        raise api_error(503, "the engine stopped before the request finished; see the server's log", "server_error")
+    return {**head, "choices": [choice(chat, last.text, last.reason)], "usage": usage(len(prompt), last.count)}
+
+
+async def completions(request: Request, body: CompletionBody):
+    return await respond(request, body, encode(request.app.state.served.tokenizer, body.prompt), chat=False)
+
+
+async def chat_completions(request: Request, body: ChatBody):
+    if body.max_completion_tokens is not None:
+        body.max_tokens = body.max_completion_tokens
+    tokenizer = request.app.state.served.tokenizer
+    text = chat_prompt(tokenizer, [m.model_dump() for m in body.messages])
+    return await respond(request, body, encode(tokenizer, text), chat=True)
+
+
+async def models(request: Request):
+    name = request.app.state.served.model_name
+    return dict(object="list", data=[dict(id=name, object="model", created=0, owned_by="llama-xla")])
+
+
+async def health(request: Request):
+    if request.app.state.served.running():
+        return dict(status="ok")
+    return JSONResponse(dict(status="the engine loop is not running"), 503)
+
+
+METRICS = (  # engine.metrics() key, Prometheus type, help
+    ("requests_total", "counter", "Requests accepted into the engine's queue."),
+    ("tokens_total", "counter", "Tokens generated."),
+    ("slots_busy", "gauge", "Slots holding a request."),
+    ("slots", "gauge", "Slots: rows of the decode batch."),
+    ("queue_length", "gauge", "Requests waiting for a slot."),
+    ("compiles_since_warmup", "gauge", "XLA compilations after warm-up; anything but 0 costs seconds per request."),
+)
+
+
+async def metrics(request: Request):
+    values = request.app.state.served.engine.metrics()
+    lines = []
+    for key, kind, help in METRICS:
+        lines += [f"# HELP llama_xla_{key} {help}", f"# TYPE llama_xla_{key} {kind}", f"llama_xla_{key} {values[key]}"]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def app(engine, tokenizer, model_name):
+    """The FastAPI app serving a warmed-up `engine` as `model_name`. While the app runs (its
+    lifespan: from the server's start until its last request has finished), the engine loop
+    steps in a background thread."""
+    served = Served(engine, tokenizer, model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        stop = threading.Event()
+        served.thread = threading.Thread(target=engine.run, args=(stop,), name="engine", daemon=True)
+        served.thread.start()
+        yield
+        stop.set()  # uvicorn has finished every request: the loop returns once idle
+        await asyncio.to_thread(served.thread.join)
+
+    api = FastAPI(title="llama-xla", lifespan=lifespan)
+    api.state.served = served
+    api.add_exception_handler(HTTPException, http_error)
+    api.add_exception_handler(RequestValidationError, bad_request)
+    api.post("/v1/completions")(completions)
+    api.post("/v1/chat/completions")(chat_completions)
+    for path, endpoint in (("/v1/models", models), ("/health", health), ("/metrics", metrics)):
+        api.get(path)(endpoint)
+    return api
+
+
+# --- Running it -------------------------------------------------------------------------------
+
+def listen(host, port):
+    """A socket bound to (host, port), so a busy port fails at once, before any model is loaded
+    (port 0: a free one). uvicorn listens on it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}; pass another --port (0: any free "
+                         f"one) or --host") from None
+    return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server on a bound socket; prints `ready on URL` once it listens."""
+
+    def __init__(self, app, sock, debug=False):
+        super().__init__(uvicorn.Config(app, log_level="info" if debug else "warning", access_log=debug))
+        host, port = sock.getsockname()[:2]
+        self.sock, self.url = sock, f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        self.ready, self.thread = threading.Event(), None
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            print(f"ready on {self.url}", flush=True)
+            self.ready.set()
+
+    def run(self):
+        super().run(sockets=[self.sock])
+
+    def stop(self):
+        """Stop a server started by `start_in_thread`: the requests in flight finish first."""
+        self.should_exit = True
+        self.thread.join()
+
+
+def start_in_thread(app, host="127.0.0.1", port=8000, debug=False):
+    """Serve `app` from a background thread of this process; returns the `Server` (its .url, .stop())
+    once it listens. For a notebook on a TPU, whose chips a child process could not open."""
+    server = Server(app, listen(host, port), debug)
+    server.thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    server.thread.start()
+    while not server.ready.wait(0.1):
+        if not server.thread.is_alive():
+            raise RuntimeError("the server stopped while starting; see its messages above")
+    return server
+
+
+def int_arg(low, high=None):
+    """An argparse type: an int in [low, high]."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int {bounds}")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(prog="python -m llama_xla_helpers.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("dir", help="a local Hugging Face folder (config.json + *.safetensors), or a training "
+                                    "checkpoint (a step_XXXXXXXX folder or the folder holding them)")
+    parser.add_argument("--slots", type=int_arg(1), help="requests decoded together (default 4)")
+    parser.add_argument("--max-seq-len", type=int_arg(2), help="KV cache length per slot (default: the config's "
+                                                               f"max_position_embeddings, at most {MAX_SEQ_LEN})")
+    parser.add_argument("--max-queue", type=int_arg(1), default=64, help="requests waiting for a slot before 429")
+    parser.add_argument("--mesh", type=mesh_arg, help="data,model devices, e.g. 1,8 (default: picked for the devices "
+                                                      "and the model's heads)")
+    parser.add_argument("--buckets", type=int_list("128,256,512"), help="prefill lengths, e.g. 128,256,512 (default: "
+                                                         f"{','.join(map(str, BUCKETS))}, those up to half the cache)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: any free port")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on a TPU, fp32 on a CPU")
+    parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization")
+    parser.add_argument("--debug", action="store_true", help="tracebacks of input errors, uvicorn's request log")
+    args = parser.parse_args(argv)
+    if args.mesh and (len(args.mesh) != 2 or min(args.mesh) < 1):
+        parser.error(f"argument --mesh: {args.mesh} must be two ints >= 1, data,model devices, e.g. 1,8")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with user_errors(args.debug):
+        sock = listen(args.host, args.port)
+        engine, tokenizer = load_engine(args.dir, args.slots, args.max_seq_len, args.max_queue, args.mesh,
+                                        args.buckets, args.dtype, args.quantize)
+    a, mesh = engine.model.args, getattr(engine.model, "mesh", None)
+    print(f"{args.dir}: {a.n_layers} layers, {a.n_kv_heads} KV heads, {engine.model.embed_tokens.weight.dtype}, "
+          f"mesh {tuple(mesh.mesh_shape) if mesh else None}, {engine.slots} slots of {a.max_seq_len} tokens, "
+          f"buckets {engine.buckets}, tokenizer {type(tokenizer).__name__}", flush=True)
+    start = time.perf_counter()
+    compiles = engine.warmup()
+    print(f"warm-up: {compiles} graphs compiled in {time.perf_counter() - start:.1f} s", flush=True)
+    server = Server(app(engine, tokenizer, Path(args.dir).resolve().name), sock, args.debug)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn handles them while it runs, then raises the one
+        signal.signal(sig, signal.SIG_IGN)        # it caught again: ignored, so the process exits with 0
+    server.run()
+    m = engine.metrics()
+    print(f"stopped: {m['requests_total']} requests, {m['tokens_total']} tokens", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,414 @@
+"""The OpenAI-compatible server as its clients see it.
+
+One real server process (python -m llama_xla_helpers.serve, on 127.0.0.1, a free port) serves a
+tiny random Llama that the tests write themselves (no tokenizer: the byte tokenizer). The tests
+call it with the official `openai` client and with plain HTTP, in bursts, streamed and not, with
+bad parameters and clients that leave, check /metrics (no compilation after warm-up), compare
+every greedy text with `Generator`'s for the same prompt, and end with SIGTERM while a request is
+in flight. A full queue is checked on the app in this process; bad command lines on `main`.
+Tests run in file order: the last one stops the shared server.
+"""
+import functools
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import LlamaForCausalLM
+
+from llama_xla_helpers import checkpoint, serve
+from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.data import ByteTokenizer
+from llama_xla_helpers.engine import Engine
+from llama_xla_helpers.generate import Generator, llama3_chat
+from llama_xla_helpers.mesh import make_mesh, mesh_shape
+from llama_xla_helpers.model import Llama
+from llama_xla_helpers.train import build_model
+from test_cli import cli, one_error_line
+from test_generate import word_tokenizer
+
+MAX_SEQ_LEN, BUCKETS = 128, (8, 32)
+SERVE = [sys.executable, "-m", "llama_xla_helpers.serve"]
+TOK = ByteTokenizer()
+
+
+def tiny_config():
+    """One layer, large weights (initializer_range 0.2) so greedy tokens vary."""
+    return get_config("tiny", num_hidden_layers=1, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A Hugging Face folder with a seeded random tiny Llama and no tokenizer."""
+    path = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config()).save_pretrained(path)
+    return path
+
+
+class ServerProcess:
+    """`python -m llama_xla_helpers.serve` on a free port. It starts at once; `url` waits until
+    it prints `ready on URL` (so a test can compute its expected values meanwhile)."""
+
+    def __init__(self, args, log):
+        self.log = log
+        self.proc = subprocess.Popen(SERVE + [*map(str, args), "--port", "0"], stdout=subprocess.PIPE,
+                                     stderr=open(log, "w"), text=True)
+        self.lines, self.ready = [], threading.Event()
+        threading.Thread(target=self.read, daemon=True).start()
+
+    @functools.cached_property
+    def url(self):
+        if not self.ready.wait(300) or self.proc.poll() is not None:
+            self.proc.kill()
+            raise AssertionError(f"the server did not get ready: {self.output()}")
+        return next(line for line in self.lines if line.startswith("ready on ")).removeprefix("ready on ")
+
+    def read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("ready on "):
+                self.ready.set()
+        self.ready.set()  # exited
+
+    def output(self):
+        return "\n".join(self.lines) + "\n" + open(self.log).read()[-3000:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    running = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", ",".join(map(str, BUCKETS))],
+                            tmp_path_factory.mktemp("log") / "server.log")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """expected(prompt, max_tokens) -> (text, completion tokens, finish reason) from `Generator`,
+    greedy, stopping at the byte tokenizer's EOS as the server does."""
+    gen = Generator(Llama.from_pretrained(model_dir, max_batch_size=1, max_seq_len=MAX_SEQ_LEN), buckets=BUCKETS)
+
+    @functools.cache
+    def run(prompt, max_tokens):
+        [tokens], _ = gen.generate([TOK.encode(prompt)], max_tokens, eos_id=TOK.eos_id)
+        return TOK.decode(tokens), len(tokens), "stop" if tokens[-1] == TOK.eos_id else "length"
+    return run
+
+
+def post(url, path, body, timeout=120):
+    """(status, JSON body) of a POST; body: a dict (sent as JSON) or raw bytes."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def open_stream(url, path, body):
+    """The open HTTP response of a streamed POST (read it with `events`; `.connection.close()` leaves)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    response.connection = conn
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    return response
+
+
+def events(response):
+    """The server-sent events' data, parsed (the last one is the string "[DONE]")."""
+    for line in response:
+        if line.startswith(b"data: "):
+            data = line[6:].strip().decode()
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def metrics(url):
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return {line.split()[0].removeprefix("llama_xla_"): float(line.split()[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def wait_for(condition, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# --- the server process ------------------------------------------------------------------------
+
+@pytest.mark.child_process
+def test_openai_client_completions_and_chat_equal_generator(server, expected):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    prompt = serve.chat_prompt(TOK, messages)
+    assert prompt == "system: Be brief.\nuser: hi\nassistant:"
+    expected(prompt, 12)  # computed (and compiled) here while the server starts
+    text, n, reason = expected("cat", 24)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    [model] = client.models.list().data
+    assert model.id == "tiny-llama"
+    out = client.completions.create(model=model.id, prompt="cat", max_tokens=24, temperature=0)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (text, reason)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (4, n, 4 + n)
+
+    chat = client.chat.completions.create(model=model.id, messages=messages, max_tokens=12, temperature=0)
+    text, n, reason = expected(prompt, 12)
+    assert (chat.choices[0].message.role, chat.choices[0].message.content) == ("assistant", text)
+    assert (chat.choices[0].finish_reason, chat.usage.completion_tokens) == (reason, n)
+
+
+@pytest.mark.child_process
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_adds_up_to_the_greedy_text(server, expected, chat):
+    """Chunks hold back unfinished UTF-8 characters (this random model writes many invalid bytes),
+    so they concatenate to the non-streamed text; the stream ends with [DONE]."""
+    body = dict(max_tokens=40, temperature=0, stream_options=dict(include_usage=True))
+    if chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "Why"}]
+    else:
+        path, body["prompt"] = "/v1/completions", "Why"
+    got = list(events(open_stream(server.url, path, body)))
+    assert got[-1] == "[DONE]"
+    *chunks, usage = got[:-1]
+    pieces = [c["choices"][0]["delta" if chat else "text"] for c in chunks]
+    text = "".join(p.get("content", "") for p in pieces) if chat else "".join(pieces)
+    want = expected(serve.chat_prompt(TOK, body["messages"]) if chat else "Why", 40)
+    assert len(chunks) > 5 and text == want[0]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [want[2]]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == want[1]
+    assert not chat or pieces[0]["role"] == "assistant"
+    status, whole = post(server.url, path, {**body, "stream": False})
+    assert status == 200 and (whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"]) == text
+
+
+@pytest.mark.child_process
+def test_a_burst_of_concurrent_requests(server, expected):
+    """12 clients at once on 4 slots: the rest wait in the queue; every greedy text equals the
+    prompt's alone; two sampled requests with one seed agree; a stop string cuts the text."""
+    prompts = ["H", "a", "b", "The", "cat", "x", "0", "1", "2", "3", "dog", "if"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+    def greedy(i):
+        if i % 2:
+            return client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=30, temperature=0)\
+                .choices[0].text
+        return post(server.url, "/v1/completions", dict(prompt=prompts[i], max_tokens=30, temperature=0))[1]\
+            ["choices"][0]["text"]
+    sampled = dict(prompt="for", max_tokens=30, temperature=0.9, top_p=0.8, seed=7)
+    with ThreadPoolExecutor(len(prompts) + 2) as pool:
+        texts = list(pool.map(greedy, range(len(prompts))))
+        draws = list(pool.map(lambda _: post(server.url, "/v1/completions", sampled)[1], range(2)))
+    assert texts == [expected(p, 30)[0] for p in prompts]
+    assert draws[0]["choices"] == draws[1]["choices"]
+
+    text = expected("def", 30)[0]
+    cut = next(i for i in range(3, len(text)) if text[i].isalnum() and text.index(text[i]) == i)
+    status, out = post(server.url, "/v1/completions", dict(prompt="def", max_tokens=30, temperature=0, stop=[text[cut]]))
+    assert status == 200 and (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == (text[:cut], "stop")
+
+
+BAD = [
+    (dict(max_tokens=0), 400, "max_tokens=0 must be an int >= 1"),
+    (dict(temperature=-1), 400, "temperature=-1.0 must be >= 0"),
+    (dict(top_p=0), 400, "top_p=0.0 must be in (0, 1]"),
+    (dict(top_p=1.5), 400, "top_p=1.5 must be in (0, 1]"),
+    (dict(prompt=""), 400, "prompt: String should have at least 1 character"),
+    (dict(prompt="x" * 200), 400, "cache slots > max_seq_len=128"),
+    (dict(max_tokens=121), 400, "cache slots > max_seq_len=128"),
+    (dict(max_tokens="many"), 400, "max_tokens: Input should be a valid integer"),
+    (dict(n=2), 400, "n: Input should be 1"),
+    (dict(model="gpt-4"), 404, "the model 'gpt-4' does not exist; this server serves 'tiny-llama'"),
+    (b"{not json", 400, "JSON decode error"),
+]
+
+
+@pytest.mark.child_process
+@pytest.mark.parametrize("body, status, message", BAD, ids=[m[:30] for _, _, m in BAD])
+def test_a_bad_request_gets_an_openai_error_and_the_server_goes_on(server, body, status, message):
+    if isinstance(body, dict):
+        body = {"prompt": "Hello", "max_tokens": 4, **body}
+    got, out = post(server.url, "/v1/completions", body)
+    assert got == status and message in out["error"]["message"], out
+    assert set(out["error"]) == {"message", "type", "param", "code"}
+    assert post(server.url, "/v1/completions", dict(prompt="Hello", max_tokens=2))[0] == 200
+
+
+@pytest.mark.child_process
+def test_bad_chat_and_routes(server):
+    assert post(server.url, "/v1/chat/completions", dict(messages=[]))[0] == 400
+    assert post(server.url, "/v1/chat/completions", dict(messages=[{"role": "user"}]))[0] == 400
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(server.url + "/v1/nothing", timeout=30)
+    assert e.value.code == 404 and json.loads(e.value.read())["error"]["message"] == "Not Found"
+
+
+@pytest.mark.child_process
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_its_slot(server, stream):
+    before = metrics(server.url)["tokens_total"]
+    body = dict(prompt="H", max_tokens=110, temperature=0)
+    if stream:
+        response = open_stream(server.url, "/v1/completions", body)
+        next(events(response))  # one chunk: the request runs
+        response.connection.close()
+    else:
+        parts = urlsplit(server.url)
+        data = json.dumps(body).encode()
+        with socket.create_connection((parts.hostname, parts.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            wait_for(lambda: metrics(server.url)["slots_busy"] == 1)
+    wait_for(lambda: metrics(server.url)["slots_busy"] == 0)
+    assert metrics(server.url)["tokens_total"] - before < 110  # cancelled, not run to the end
+
+
+@pytest.mark.child_process
+def test_metrics_after_everything_show_no_compilation(server):
+    m = metrics(server.url)
+    assert m["compiles_since_warmup"] == 0
+    assert m["requests_total"] > 20 and m["tokens_total"] > 500
+    assert (m["slots"], m["slots_busy"], m["queue_length"]) == (4, 0, 0)
+    assert json.loads(urllib.request.urlopen(server.url + "/health", timeout=30).read()) == {"status": "ok"}
+
+
+@pytest.mark.child_process
+def test_sigterm_finishes_the_request_in_flight_then_exits_0(server, expected):
+    """The last test: it stops the shared server."""
+    response = open_stream(server.url, "/v1/completions", dict(prompt="b", max_tokens=100, temperature=0))
+    stream = events(response)
+    first = next(stream)
+    server.proc.send_signal(signal.SIGTERM)
+    rest = list(stream)
+    assert rest[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in [first] + rest[:-1]) == expected("b", 100)[0]
+    assert server.proc.wait(60) == 0, server.output()
+    wait_for(lambda: server.lines[-1].startswith("stopped: "))
+
+
+# --- in this process ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine():
+    """An engine in this process: the model of `model_dir`, one slot, a queue of one."""
+    torch.manual_seed(0)
+    model = Llama.from_hf(LlamaForCausalLM(tiny_config()), max_batch_size=1, max_seq_len=32)
+    return Engine(model, slots=1, buckets=(8,), max_queue=1, eos_id=TOK.eos_id, decode=TOK.decode)
+
+
+def test_start_in_thread_serves_from_this_process_and_stops(engine, expected):
+    """Notebook 06's way on a TPU: uvicorn in a thread of the process that holds the device."""
+    engine.warmup()
+    api = serve.app(engine, TOK, "tiny")
+    server = serve.start_in_thread(api, port=0)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="H", max_tokens=20, temperature=0)
+        assert out.choices[0].text == expected("H", 20)[0]
+    finally:
+        server.stop()
+    assert not server.thread.is_alive() and not api.state.served.running()
+    assert engine.metrics()["compiles_since_warmup"] == 0
+
+
+def test_a_full_queue_is_429(engine):
+    """The app without its lifespan (no engine loop): the one waiting request stays in the queue."""
+    client = TestClient(serve.app(engine, TOK, "tiny"))
+    engine.submit(TOK.encode("hi"), 4)
+    r = client.post("/v1/completions", json=dict(prompt="hi", max_tokens=4))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.json()
+    assert "max_queue=1" in r.json()["error"]["message"]
+    assert client.get("/health").status_code == 503
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slots", "0"], "argument --slots: '0' is not an int >= 1"),
+    (["--port", "-1"], "argument --port: '-1' is not an int in [0, 65535]"),
+    (["--port", "70000"], "'70000' is not an int in [0, 65535]"),
+    (["--quantize", "int3"], "argument --quantize: invalid choice: 'int3'"),
+    (["--max-queue", "0"], "argument --max-queue: '0' is not an int >= 1"),
+    (["--buckets", "8,x"], "'8,x' is not a list of ints like 128,256,512"),
+    (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+    (["--mesh", "0,8"], "argument --mesh: (0, 8) must be two ints >= 1"),
+    (["--buckets", "8,127", "--max-seq-len", "128"], "largest bucket 127 + 2 tokens > the model's max_seq_len=128"),
+    (["--buckets", "32,8"], "buckets=(32, 8) must be increasing positive ints"),
+    (["--max-seq-len", "4096"], "max_seq_len=4096 > the model's max_position_embeddings=2048"),
+])
+def test_bad_argument_is_one_error_line(model_dir, args, message, capsys):
+    code, _, err = cli(serve.main, [str(model_dir), "--port", "0", *args], capsys)
+    assert one_error_line(code, err, message), (code, err[-2000:])
+
+
+def test_a_folder_without_a_model_or_a_busy_port_is_one_error_line(model_dir, tmp_path, capsys):
+    code, _, err = cli(serve.main, [str(tmp_path), "--port", "0"], capsys)
+    assert one_error_line(code, err, f"{str(tmp_path)!r} holds neither config.json"), err
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        code, _, err = cli(serve.main, [str(model_dir), "--port", str(port)], capsys)
+    assert one_error_line(code, err, f"cannot listen on 127.0.0.1:{port}"), err
+
+
+def test_a_training_checkpoint_is_served_with_its_weights(tmp_path):
+    """A checkpoint written by train (the sharded HF model; meta.json's extra holds the config)
+    loads into the engine with the same weights, and the byte tokenizer."""
+    config = tiny_config()
+    trained = build_model(config, make_mesh(mesh_shape(None, config)), seed=3)
+    checkpoint.save(tmp_path, 5, trained, extra=dict(config=config.to_dict(), train_config=dict(dtype="fp32")))
+    engine, tokenizer = serve.load_engine(tmp_path, max_seq_len=64, buckets=(8,))
+    assert isinstance(tokenizer, ByteTokenizer) and engine.slots == 4
+    for ours, theirs in [("embed_tokens", "model.embed_tokens"), ("lm_head", "lm_head"),
+                         ("layers.0.self_attn.o_proj", "model.layers.0.self_attn.o_proj")]:
+        assert torch.equal(engine.model.get_submodule(ours).weight.cpu(), trained.get_submodule(theirs).weight.cpu())
+
+
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def test_a_hugging_face_tokenizer_its_chat_template_or_the_plain_format(tmp_path):
+    tok = serve.read_tokenizer(word_tokenizer(tmp_path), None, tiny_config())
+    messages = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "hello how are you"}]
+    assert serve.chat_prompt(tok, messages) == "system: the cat\nuser: hello how are you\nassistant:"
+    tok.chat_template = LLAMA3_TEMPLATE
+    prompt = serve.chat_prompt(tok, messages)
+    assert prompt == llama3_chat(messages)
+    ids = serve.encode(tok, prompt)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # the template's BOS, no second one
+    decode, eos_id = serve.decoder(tok)
+    assert eos_id == tok.convert_tokens_to_ids("<|eot_id|>") and "<|" not in decode(ids)
+
+
+def test_default_mesh_replicates_kv_heads_where_needed():
+    assert serve.mesh_shape_for(8, get_config("tiny")) == (1, 8)  # 4 KV heads, each copied twice
+    assert serve.mesh_shape_for(16, get_config("tiny")) == (2, 8)
+    assert serve.mesh_shape_for(1, get_config("tiny")) == (1, 1)
+    assert serve.mesh_shape_for(16, get_config("llama2-70b")) == (1, 16)  # 8 KV heads, copied twice
+    assert serve.mesh_shape_for(8, get_config("tiny", vocab_size=258)) == (4, 2)  # 258 = 2 * 3 * 43
+
+
+def test_settled_text_holds_back_what_may_still_change():
+    assert serve.settled("ab\ufffd", ()) == "ab"  # the first bytes of a character
+    assert serve.settled("abc\n", ("\n\n",)) == "abc"  # may become the stop string
+    assert serve.settled("abc", ("xyz", "cd")) == "ab"
+    assert serve.settled("abc", ("xyz",)) == "abc"
