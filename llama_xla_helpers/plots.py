@@ -143,3 +143,19 @@ def plot_slots(timeline, name="slot_timeline", title="which request holds which 
     ax.set_yticks(range(slots)), ax.set_ylim(slots - 0.5, -0.5), ax.set_xlim(0, steps)
     ax.set_xlabel("decode step"), ax.set_ylabel("slot"), ax.set_title(title)
     return _finish(fig, name)
+
+
+def plot_timeline(events, name="step_timeline", title="traced steps"):
+    """A step timeline: events = [(name, start_ms, duration_ms), ...] (`profile.step_timeline`);
+    one row per event name, in order of first appearance, each event a bar from its start."""
+    rows = list(dict.fromkeys(e[0] for e in events))
+    fig = Figure(figsize=(8, 0.6 + 0.4 * len(rows)))
+    ax = fig.subplots()
+    colors = [c["color"] for c in rcParams["axes.prop_cycle"]]
+    for i, row in enumerate(rows):
+        bars = [(start, duration) for label, start, duration in events if label == row]
+        ax.broken_barh(bars, (i - 0.4, 0.8), color=colors[i % len(colors)])
+    ax.set_yticks(range(len(rows)), [r.split("::")[-1] for r in rows])  # C++ scopes: the last part
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("time (ms)"), ax.set_title(title)
+    return _finish(fig, name)

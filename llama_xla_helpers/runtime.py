@@ -5,6 +5,25 @@ device query or tensor), so `init_runtime()` must run before any of that.
 
     info = init_runtime()   # XLA runtime: TPU, 4 devices, 1 process, chip tpu-v5e
     chip()                  # "tpu-v5e": a key of metrics.PEAK_FLOPS, or None on a CPU
+    init_runtime(cache_dir="xla-cache")  # compiled programs kept on disk across restarts
+
+The persistent compilation cache (`cache_dir`, or the LLAMA_XLA_COMPILE_CACHE variable) must
+be set up before the first compilation, which `init_runtime` does when it is the first thing a
+process calls. What it keeps and where:
+
+- One file per compiled program, named by the hash torch_xla keys its in-memory cache on (the
+  graph with its shapes and shardings, the torch_xla / libtpu versions, the compile options).
+  A new torch_xla or libtpu misses and writes new entries; nothing is ever evicted: delete the
+  folder to clear it.
+- On a job of several processes (a pod: one per host) each process uses DIR/process-<index>,
+  so no two processes write the same file, whether DIR is a local disk or a mount shared by
+  every host. `cache_readonly=True` reads that same layout and writes nothing: for a cache on a
+  shared mount that one earlier run (of the same shape) filled, read by many later jobs.
+- The CPU client writes entries but cannot load them: a second process logs "Failed to
+  deserialize executable: UNIMPLEMENTED: Deserializing serialized executable not supported",
+  counts PersistentCacheDeserializeFailure and compiles again (measured here). A TPU is meant
+  to load them (counter PersistentCacheHit); pytorch/xla issue 9094 reports the same failure on
+  TPUs with torch_xla 2.9.0, so read the counters on yours (`compile_cache_counters()`).
 """
 import atexit
 import functools
@@ -16,6 +35,7 @@ import urllib.request
 from dataclasses import dataclass
 
 DEFAULT_CPU_DEVICES = 8
+COMPILE_CACHE_VAR = "LLAMA_XLA_COMPILE_CACHE"  # the default of init_runtime's cache_dir
 # The TPU type as a TPU VM names it (ACCELERATOR_TYPE=v5litepod-8) or GKE does
 # (TPU_ACCELERATOR_TYPE=tpu-v5-lite-podslice): prefix -> metrics.PEAK_FLOPS key, first match wins.
 CHIP_PREFIXES = (("v5litepod", "tpu-v5e"), ("v5-lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
@@ -51,7 +71,7 @@ def select_device():
         os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 
-def init_runtime(cpu_devices=None, hlo_dump_dir=None):
+def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_readonly=False):
     """Start the XLA runtime in SPMD mode, print what it got (process 0, first call) and return it.
 
     On a TPU VM this uses the TPU and ignores `cpu_devices`. On a CPU it makes `cpu_devices`
@@ -59,7 +79,15 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None):
     twice; a different explicit `cpu_devices` once the runtime runs is an error.
     `hlo_dump_dir` makes XLA write every compiled module there as text (see `hlo.py`); True
     means a temporary folder, removed when the process exits (a step's dump can be 100s of MB).
+    `cache_dir` (default: the LLAMA_XLA_COMPILE_CACHE variable) keeps compiled programs on disk
+    (`xr.initialize_cache`; see the module's notes); `cache_readonly` reads it without writing.
+    It must come before anything compiles and stays for the process: calling again with the same
+    cache, or with cache_dir=None, is fine; another cache raises (restart the process to change it).
     """
+    if cache_dir is None and "XLA_PERSISTENT_CACHE_PATH" not in os.environ:  # the variable, unless one is set up
+        cache_dir = os.environ.get(COMPILE_CACHE_VAR) or None
+    if cache_dir:
+        check_cache_dir(cache_dir, cache_readonly)
     if hlo_dump_dir is True:
         hlo_dump_dir = tempfile.mkdtemp(prefix="llama-xla-hlo-")
         atexit.register(shutil.rmtree, hlo_dump_dir, ignore_errors=True)
@@ -84,6 +112,8 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None):
     if not xr.is_spmd():
         xr.use_spmd()
     info = RuntimeInfo(kind, xr.global_runtime_device_count(), xr.process_index(), xr.process_count(), chip())
+    if cache_dir:
+        init_compile_cache(cache_path(cache_dir, info.process_index, info.process_count), cache_readonly)
     if kind == "CPU" and cpu_devices is not None and info.num_devices != cpu_devices:
         raise RuntimeError(
             f"the XLA runtime already started with {info.num_devices} CPU devices, so it cannot "
@@ -92,6 +122,63 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None):
     if not started and info.process_index == 0:
         print(info)
     return info
+
+
+def check_cache_dir(cache_dir, readonly=False):
+    """ValueError, before any work, if `cache_dir` cannot be a compilation cache: a file, a folder
+    that cannot be created or written (writable cache), a folder that does not exist (read-only)."""
+    name, path = os.fspath(cache_dir), os.path.abspath(cache_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"compile cache {name!r} is a file, not a folder; pass a folder (it is created "
+                         f"if missing)")
+    if readonly:
+        if not os.path.isdir(path):
+            raise ValueError(f"read-only compile cache {name!r} does not exist; pass a folder an earlier "
+                             f"run with a writable cache filled")
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise ValueError(f"compile cache {name!r} is not a writable folder ({e.strerror}); pass one this "
+                         f"process can write, or make it read-only (cache_readonly=True)") from None
+
+
+def cache_path(cache_dir, process_index, process_count):
+    """The folder this process's cache entries live in: `cache_dir` itself on one process,
+    cache_dir/process-<index> on a job of several (a pod), so processes never share a file."""
+    path = os.path.abspath(os.fspath(cache_dir))
+    return path if process_count == 1 else os.path.join(path, f"process-{process_index}")
+
+
+def init_compile_cache(path, readonly):
+    """`xr.initialize_cache(path, readonly)`, once per process, before the first compilation."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    active = os.environ.get("XLA_PERSISTENT_CACHE_PATH")  # what initialize_cache sets and XLA reads
+    active_readonly = os.environ.get("XLA_PERSISTENT_CACHE_READ_ONLY") == "1"
+    if active is not None and (active, active_readonly) == (path, readonly):
+        return
+    if active is not None or torch_xla._XLAC._xla_computation_cache_is_initialized():
+        now = (f"compile cache {active!r} (readonly={active_readonly})" if active is not None else
+               "no compile cache (it compiled before one was set up)")
+        raise RuntimeError(f"this process already uses {now}, so it cannot switch to compile cache {path!r} "
+                           f"(readonly={readonly}); restart the process (or kernel) and call "
+                           f"init_runtime(cache_dir=...) before anything compiles")
+    xr.initialize_cache(path, readonly=readonly)
+
+
+def compile_cache_counters():
+    """torch_xla's persistent-cache counters so far in this process, with the compile count:
+    {"compiles": N, "PersistentCacheMiss": N, "PersistentCacheHit": N, "PersistentCacheLoad": N,
+    "PersistentCacheDeserializeFailure": N} (0 when a counter never moved)."""
+    import torch_xla.debug.metrics as met
+
+    counters = {name: met.counter_value(name) or 0 for name in
+                ("PersistentCacheMiss", "PersistentCacheHit", "PersistentCacheDeserializeFailure")}
+    load, compiles = met.metric_data("PersistentCacheLoad"), met.metric_data("CompileTime")
+    return {"compiles": compiles[0] if compiles else 0, **counters, "PersistentCacheLoad": load[0] if load else 0}
 
 
 def chip():

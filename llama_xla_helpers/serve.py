@@ -549,6 +549,9 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: any free port")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on a TPU, fp32 on a CPU")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization")
+    parser.add_argument("--compile-cache", metavar="DIR", help="keep compiled programs in DIR across restarts "
+                                                            "(default: $LLAMA_XLA_COMPILE_CACHE, if set)")
+    parser.add_argument("--compile-cache-readonly", action="store_true", help="read --compile-cache, write nothing")
     parser.add_argument("--debug", action="store_true", help="tracebacks of input errors, uvicorn's request log")
     args = parser.parse_args(argv)
     if args.mesh and (len(args.mesh) != 2 or min(args.mesh) < 1):
@@ -559,6 +562,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     with user_errors(args.debug):
+        init_runtime(math.prod(args.mesh) if args.mesh else None, cache_dir=args.compile_cache,
+                     cache_readonly=args.compile_cache_readonly)  # the cache before anything compiles
         sock = listen(args.host, args.port)
         engine, tokenizer = load_engine(args.dir, args.slots, args.max_seq_len, args.max_queue, args.mesh,
                                         args.buckets, args.dtype, args.quantize)

@@ -61,6 +61,8 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10               # read losses back to the host every this many steps
     gradient_checkpointing: bool = False
+    compile_cache: str = None         # a folder keeping compiled programs across runs (runtime.init_runtime)
+    compile_cache_readonly: bool = False  # read compile_cache, write nothing (a cache shared by many jobs)
     progress: bool = False            # a tqdm bar with loss and tokens/s (the CLI turns it on)
 
 
@@ -239,7 +241,8 @@ def setup(cfg):
     check_config(cfg)
     slices, config = cfg.slices, model_config(cfg)
     # On a CPU an explicit mesh sizes the stand-in; on a TPU the mesh must match the chips (make_mesh checks).
-    init_runtime(cpu_devices=math.prod(cfg.mesh) * slices if cfg.mesh else None)
+    init_runtime(cpu_devices=math.prod(cfg.mesh) * slices if cfg.mesh else None, cache_dir=cfg.compile_cache,
+                 cache_readonly=cfg.compile_cache_readonly)
     shape = tuple(cfg.mesh) if cfg.mesh else mesh_shape(xr.global_runtime_device_count() // slices, config)
     dtype = cfg.dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
     if slices == 1:
