@@ -43,7 +43,7 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from .generate import check_buckets, check_request, mark_replicated, replicator
+from .generate import check_buckets, check_request, mark_replicated, prefill_sections, replicator
 from .mesh import make_mesh
 from .metrics import count_compiles
 from .model import KVCache
@@ -179,7 +179,7 @@ class Engine:
         self.ids = itertools.count()
         self.requests_total = self.tokens_total = self.compiles_since_warmup = 0
         self.warm = False
-        self.timeline = []  # per decode step: the request id in each slot (None: free)
+        self.timeline = collections.deque(maxlen=4096)  # the last decode steps: request id per slot (None: free)
 
     def one_row_cache(self):
         """A (1, max_seq_len, n_kv_heads, head_dim) cache for prefill, split on heads like the model's."""
@@ -268,8 +268,7 @@ class Engine:
 
     def prefill(self, req):
         """Run the prompt's sections into the one-row cache; returns (first token, the slot's state row)."""
-        sections = check_request(self.model.args, self.buckets, [req.prompt], req.max_tokens,
-                                 req.temperature, req.top_p, None, "max_tokens")
+        sections = prefill_sections(len(req.prompt), self.buckets)  # submit() checked the request
         width = sum(sections)
         pad = width - len(req.prompt)
         padded = torch.tensor([[0] * pad + req.prompt])  # (1, width) left-padded

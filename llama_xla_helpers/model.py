@@ -189,6 +189,46 @@ class KVCache(nn.Module):
         return k_cache, v_cache
 
 
+class Linear(nn.Module):
+    """A bias-free nn.Linear whose weight is stored transposed, (in_features, out_features),
+    so the forward is `x @ weight_t`.
+
+    On the XLA CPU backend that layout runs a decode step's matmuls several times faster than
+    F.linear on nn.Linear's (out_features, in_features) weight, whose dot reads the weight
+    across its rows (benchmarks/decode.py); on a TPU, XLA picks the layout either way. The
+    stored layout stays behind the module: `weight` is the (out, in) view, and `state_dict`
+    / `load_state_dict` read and write nn.Linear's (out, in) `weight`, so Hugging Face
+    checkpoints load unchanged and `parallel.param_spec` names (out, in) dims.
+    """
+
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        bound = 1 / math.sqrt(in_features)  # nn.Linear's default initialization
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features).uniform_(-bound, bound))
+        self.register_state_dict_post_hook(Linear.save_as_weight)
+        self.register_load_state_dict_pre_hook(Linear.load_from_weight)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    @property
+    def weight(self):
+        return self.weight_t.t()  # (out_features, in_features), a view
+
+    def forward(self, x):
+        return x @ self.weight_t  # (..., in_features) @ (in_features, out_features)
+
+    @staticmethod
+    def save_as_weight(module, state_dict, prefix, local_metadata):
+        state_dict[prefix + "weight"] = state_dict.pop(prefix + "weight_t").t()
+
+    @staticmethod
+    def load_from_weight(module, state_dict, prefix, *args):
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "weight_t"] = state_dict.pop(prefix + "weight").t()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -204,10 +244,10 @@ class Attention(nn.Module):
     def __init__(self, args):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_proj = Linear(args.dim, args.n_heads * args.head_dim)
+        self.k_proj = Linear(args.dim, args.n_kv_heads * args.head_dim)
+        self.v_proj = Linear(args.dim, args.n_kv_heads * args.head_dim)
+        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
         self.kv_cache = None  # set by Llama.init_buffers
 
     def forward(self, x, input_pos, cos, sin, mask):
@@ -218,25 +258,24 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         k, v = self.kv_cache.update(input_pos, k, v)  # (bsz, max_seq_len, n_kv_heads, head_dim)
-        n_rep = self.n_heads // self.n_kv_heads  # GQA: each kv head serves n_rep query heads
-        q = q.transpose(1, 2)  # (bsz, n_heads, seqlen, head_dim)
-        k = k.transpose(1, 2).repeat_interleave(n_rep, dim=1)  # (bsz, n_heads, max_seq_len, head_dim)
-        v = v.transpose(1, 2).repeat_interleave(n_rep, dim=1)
+        # GQA: kv head g serves query heads g * n_rep ... g * n_rep + n_rep - 1, so the query heads
+        # are grouped (n_kv_heads, n_rep) and read the cache as it is, never repeated n_rep times.
+        q = q.view(bsz, seqlen, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
 
         # einsum, not matmul: matmul flattens (bsz, heads) and makes GSPMD gather the head-sharded cache
-        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(self.head_dim)  # (bsz, n_heads, seqlen, max_seq_len)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = torch.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(self.head_dim)  # (bsz, g, n_rep, seqlen, max_seq_len)
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (bsz, 1, 1, seqlen, max_seq_len)
         probs = F.softmax(scores.float(), dim=-1).type_as(q)
-        y = torch.einsum("bhqk,bhkd->bqhd", probs, v).reshape(bsz, seqlen, -1)  # (bsz, seqlen, n_heads * head_dim)
+        y = torch.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(bsz, seqlen, -1)  # (bsz, seqlen, n_heads * head_dim)
         return self.o_proj(y)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_proj = Linear(args.dim, args.intermediate_size)
+        self.up_proj = Linear(args.dim, args.intermediate_size)
+        self.down_proj = Linear(args.intermediate_size, args.dim)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -262,9 +301,11 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
+        if args.tie_word_embeddings:  # the embedding's (vocab_size, dim) weight, as nn.Linear stores it
+            self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
             self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.lm_head = Linear(args.dim, args.vocab_size)
         self.init_buffers()
 
     def init_buffers(self):

@@ -34,7 +34,7 @@ from transformers import LlamaConfig
 from . import hlo
 from .cli import ArgumentParser, user_errors
 from .checkpoint import hf_reader
-from .model import Llama, ModelArgs, rope_tables, safetensors_files
+from .model import Linear, Llama, ModelArgs, rope_tables, safetensors_files
 from .sharding import axis_size, check_divisible, to_sharded
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -43,7 +43,8 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def param_spec(name, ndim, tp=1, shape=None):
-    """Partition spec of one weight (nn.Linear stores (out_features, in_features)), or of a
+    """Partition spec of one weight as nn.Linear stores it, (out_features, in_features) (`model.Linear`
+    stores the transpose and is placed with the reversed spec), or of a
     quantized layer's tensors (quantize.Int8Linear / Int4Linear), named like the weight:
 
     - `<layer>.weight`: int8 codes (out, in) or packed int4 codes (out, in // 2): the same rule
@@ -118,11 +119,17 @@ def shard_for_inference(model, mesh, init=None):
         check_divisible(name, t.shape, specs[name], mesh)
     for name, t in tensors.items():
         owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
         source = init(name, tuple(t.shape)) if t.is_meta else t.detach().cpu()
+        if isinstance(module, Linear):  # stores weight.t(): place the transpose, split on the same dims
+            read = source if callable(source) else source.__getitem__
+            sharded = to_sharded(lambda index: read(index[::-1]).t(), mesh, specs[name][::-1], t.shape[::-1])
+            module.weight_t = torch.nn.Parameter(sharded, requires_grad=False)
+            continue
         sharded = to_sharded(source, mesh, specs[name], t.shape)
         if isinstance(t, torch.nn.Parameter):
             sharded = torch.nn.Parameter(sharded, requires_grad=False)
-        setattr(model.get_submodule(owner), leaf, sharded)  # a registered buffer stays a buffer
+        setattr(module, leaf, sharded)  # a registered buffer stays a buffer
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     dtype = model.embed_tokens.weight.dtype

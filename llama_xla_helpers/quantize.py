@@ -6,9 +6,9 @@
     save_quantized(model, "tiny-int4.safetensors")
     model = load_quantized(Llama(args), "tiny-int4.safetensors")   # any skeleton, even on "meta"
 
-Every nn.Linear of the transformer blocks (q/k/v/o_proj, gate/up/down_proj) becomes a module
-that stores the integer weight and its scales as buffers, named `<layer>.weight`,
-`<layer>.scales` (and `<layer>.zeros`), and dequantizes on the fly. The embedding, the norms
+Every float linear layer (`model.Linear`) of the transformer blocks (q/k/v/o_proj,
+gate/up/down_proj) becomes a module that stores the integer weight and its scales as buffers,
+named `<layer>.weight`, `<layer>.scales` (and `<layer>.zeros`), and dequantizes on the fly. The embedding, the norms
 and lm_head stay as they are (pass quantize_lm_head=True to quantize lm_head too).
 
 Schemes, with w the (out_features, in_features) weight:
@@ -50,9 +50,10 @@ import torch.nn.functional as F
 import torch_xla.experimental.xla_quantized_matmul  # noqa: F401 (registers torch.ops.xla.quantized_matmul)
 from safetensors.torch import load_file, save_file
 
-from .model import check_state_dict
+from .model import Linear, check_state_dict
 
 SCHEMES = ("int8", "int4", "gptq-int4")
+FLOAT_LINEARS = (Linear, nn.Linear)  # not yet quantized; `.weight` is (out_features, in_features)
 BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Linears that read the same input share one Hessian; GPTQ quantizes them stage by stage.
@@ -224,14 +225,14 @@ def gptq(model, calibration, group_size, act_order, damp, quantize_lm_head):
     for layer in model.layers:
         for stage in GPTQ_STAGES:
             linears = {n: layer.get_submodule(n) for n in stage}
-            linears = {n: m for n, m in linears.items() if isinstance(m, nn.Linear)}  # not yet quantized
+            linears = {n: m for n, m in linears.items() if isinstance(m, FLOAT_LINEARS)}  # not yet quantized
             if linears:
                 H = input_hessian(next(iter(linears.values())), lambda: [layer(*args) for args in inputs])
             for name, linear in linears.items():
                 q, scale, zero = gptq_int4(linear.weight, H, group_size, act_order, damp)
                 set_module(layer, name, int4_linear(q, scale, zero))
         inputs = [(layer(*args), *args[1:]) for args in inputs]
-    if quantize_lm_head and isinstance(model.lm_head, nn.Linear):
+    if quantize_lm_head and isinstance(model.lm_head, FLOAT_LINEARS):
         H = input_hessian(model.lm_head, lambda: [model.lm_head(model.norm(args[0])) for args in inputs])
         model.lm_head = int4_linear(*gptq_int4(model.lm_head.weight, H, group_size, act_order, damp))
 
@@ -250,11 +251,11 @@ def set_module(root, name, module):
 
 
 def targets(model, quantize_lm_head):
-    """{name: nn.Linear} that the schemes quantize."""
+    """{name: float linear layer} that the schemes quantize."""
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in BLOCK_LINEARS]
     names += ["lm_head"] * quantize_lm_head
     modules = {n: model.get_submodule(n) for n in names}
-    return {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
+    return {n: m for n, m in modules.items() if isinstance(m, FLOAT_LINEARS)}
 
 
 def check_args(model, linears, scheme, group_size, calibration):
@@ -331,7 +332,7 @@ def load_quantized(model, path):
     Int4Linear. ValueError names the first tensor that does not fit. Returns the model."""
     state = load_file(path)
     stored = {name: stored_linear(state, name) for name, module in model.named_modules()
-              if isinstance(module, nn.Linear) and f"{name}.scales" in state}
+              if isinstance(module, FLOAT_LINEARS) and f"{name}.scales" in state}
     for name, quantized in stored.items():
         expected = model.get_submodule(name)
         if (quantized.out_features, quantized.in_features) != (expected.out_features, expected.in_features):
@@ -340,7 +341,7 @@ def load_quantized(model, path):
                              f"{expected.in_features}")
     for name, quantized in stored.items():
         set_module(model, name, quantized)
-    tied = model.args.tie_word_embeddings and isinstance(model.lm_head, nn.Linear)
+    tied = model.args.tie_word_embeddings and isinstance(model.lm_head, FLOAT_LINEARS)
     if tied:  # saved once, as embed_tokens
         state["lm_head.weight"] = state.get("embed_tokens.weight")
     check_state_dict(model, state)

@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from llama_xla_helpers.configs import get_config
-from llama_xla_helpers.model import Llama, ModelArgs, rope_frequencies
+from llama_xla_helpers.model import Linear, Llama, ModelArgs, rope_frequencies
 from util import hf_model
 
 ATOL = 1e-4
@@ -120,6 +120,21 @@ def test_from_pretrained_round_trip(tmp_path, variant, shard):
         assert model.lm_head.weight is model.embed_tokens.weight
     toks = tokens(1, 20)
     torch.testing.assert_close(full_logits(model, toks), hf_logits(hf, toks), atol=ATOL, rtol=0)
+
+
+def test_state_dict_is_hugging_faces_while_linears_store_the_transpose():
+    hf = hf_model(tiny())
+    model = Llama.from_hf(hf, max_batch_size=1, max_seq_len=24)
+    q = model.layers[0].self_attn.q_proj
+    assert isinstance(q, Linear) and q.weight_t.shape == (q.in_features, q.out_features)
+    hf_state = {n.removeprefix("model."): t for n, t in hf.state_dict().items()}
+    state = model.state_dict()
+    assert state.keys() == hf_state.keys()
+    assert all(torch.equal(state[n], t) for n, t in hf_state.items())  # (out, in) weights, equal values
+    assert torch.equal(q.weight, hf_state["layers.0.self_attn.q_proj.weight"])
+    copy = Llama.from_state_dict(model.args, state)  # and it loads back
+    toks = tokens(1, 20)
+    torch.testing.assert_close(full_logits(copy, toks), full_logits(model, toks), atol=0, rtol=0)
 
 
 def write_checkpoint(path, hf, state):

@@ -13,7 +13,7 @@ import torch
 
 from llama_xla_helpers.generate import Generator
 from llama_xla_helpers.mesh import make_mesh, mesh_shape
-from llama_xla_helpers.model import Llama
+from llama_xla_helpers.model import Linear, Llama
 from llama_xla_helpers.parallel import decode_collectives, main, replicate_kv_heads, shard_for_inference
 from llama_xla_helpers.quantize import quantize
 from llama_xla_helpers.sharding import shard_shape
@@ -43,10 +43,14 @@ def test_tensor_parallel_greedy_matches_hugging_face(variant):
     assert tokens == [expected[r] for r in rows]
     assert stats.compiles <= 2 + 2
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    shards = {name: shard_shape(t) for name, t in [
-        ("embed", model.embed_tokens.weight), ("q", attn.q_proj.weight), ("k", attn.k_proj.weight),
-        ("o", attn.o_proj.weight), ("up", mlp.up_proj.weight), ("down", mlp.down_proj.weight),
-        ("lm_head", model.lm_head.weight), ("cache", attn.kv_cache.k_cache)]}
+    def out_in(linear):  # a weight's (out, in) shard; model.Linear stores the transpose
+        if isinstance(linear, Linear):
+            return tuple(shard_shape(linear.weight_t))[::-1]
+        return tuple(shard_shape(linear.weight))
+
+    shards = {name: out_in(m) for name, m in [("q", attn.q_proj), ("k", attn.k_proj), ("o", attn.o_proj),
+                                               ("up", mlp.up_proj), ("down", mlp.down_proj), ("lm_head", model.lm_head)]}
+    shards.update(embed=shard_shape(model.embed_tokens.weight), cache=shard_shape(attn.kv_cache.k_cache))
     kv_heads = max(hf.config.num_key_value_heads, TP)  # replicated up to the 'model' axis
     assert shards == {"embed": (264 // TP, 128), "q": (128 // TP, 128), "k": (kv_heads * 16 // TP, 128),
                       "o": (128, 128 // TP), "up": (384 // TP, 128), "down": (128, 384 // TP),

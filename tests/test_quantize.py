@@ -12,7 +12,7 @@ from llama_xla_helpers.data import load_corpus, train_val_split
 from llama_xla_helpers.metrics import param_count
 from llama_xla_helpers.model import Llama, ModelArgs
 from llama_xla_helpers.quantize import (
-    Int4Linear, Int8Linear, dequantize_int4, gptq_int4, load_quantized, pack_int4, quantize,
+    FLOAT_LINEARS, Int4Linear, Int8Linear, dequantize_int4, gptq_int4, load_quantized, pack_int4, quantize,
     quantize_int4, quantize_int8, save_quantized, unpack_int4, weight_bytes,
 )
 from util import hf_model
@@ -76,7 +76,7 @@ def test_int8_model_close_to_fp32(text):
     _, val = text
     fp, int8 = tiny_model(), quantize(tiny_model(), "int8")
     assert all(isinstance(m, Int8Linear) for m in block_linears(int8))
-    assert isinstance(int8.lm_head, nn.Linear)  # full precision unless asked
+    assert isinstance(int8.lm_head, FLOAT_LINEARS)  # full precision unless asked
     ref, out = logits(fp, val[:16]), logits(int8, val[:16])
     # Rounding noise of std (max|w| / 127) / sqrt(12), about 1% of a Gaussian row's std, per
     # Linear; random weights have no outliers to make it worse or structure to make it better.
@@ -221,6 +221,6 @@ def test_bad_input_raises_before_any_weight_changes(scheme, kwargs, message):
     before = {name: t.clone() for name, t in model.state_dict().items()}
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         quantize(model, scheme, **kwargs)
-    assert all(isinstance(m, nn.Linear) for m in block_linears(model))
+    assert all(isinstance(m, FLOAT_LINEARS) for m in block_linears(model))
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
