@@ -66,7 +66,8 @@ def test_the_cache_fills_a_second_process_reads_it_and_read_only_writes_nothing(
     assert len(written) == 1 and min(written.values()) > 0  # one serialized executable per compiled graph
 
     # The same program in a fresh process, the folder from the variable this time.
-    second, lines, stderr = run_child({}, "double", str(tmp_path / "other"), LLAMA_XLA_COMPILE_CACHE=str(cache))
+    second, lines, stderr = run_child({}, "double", str(tmp_path / "other"), LLAMA_XLA_COMPILE_CACHE=str(cache),
+                                      TF_CPP_MIN_LOG_LEVEL="0")  # make's 2 would hide XLA's warning
     print("second process:", second)
     assert second["PersistentCacheLoad"] == 1 and second["PersistentCacheMiss"] == 0  # it found the entry
     # This CPU cannot load it: it compiles again (a TPU would count a hit and compile nothing).

@@ -2,7 +2,6 @@
 the XLA path against the CPU path, save / load, and bad input."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import torch_xla
 from safetensors.torch import load_file
