@@ -194,11 +194,11 @@ class Linear(nn.Module):
     so the forward is `x @ weight_t`.
 
     On the XLA CPU backend that layout runs a decode step's matmuls several times faster than
-    F.linear on nn.Linear's (out_features, in_features) weight, whose dot reads the weight
-    across its rows (benchmarks/decode.py); on a TPU, XLA picks the layout either way. The
-    stored layout stays behind the module: `weight` is the (out, in) view, and `state_dict`
-    / `load_state_dict` read and write nn.Linear's (out, in) `weight`, so Hugging Face
-    checkpoints load unchanged and `parallel.param_spec` names (out, in) dims.
+    F.linear on nn.Linear's (out_features, in_features) weight, which XLA lowers to a transpose
+    of the weight feeding the dot (benchmarks/decode.py); on a TPU, XLA picks the layout either
+    way. The stored layout stays behind the module: `weight` is the (out, in) view, and
+    `state_dict` / `load_state_dict` read and write nn.Linear's (out, in) `weight`, so Hugging
+    Face checkpoints load unchanged and `parallel.param_spec` names (out, in) dims.
     """
 
     def __init__(self, in_features, out_features):
@@ -263,7 +263,7 @@ class Attention(nn.Module):
         q = q.view(bsz, seqlen, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
 
         # einsum, not matmul: matmul flattens (bsz, heads) and makes GSPMD gather the head-sharded cache
-        scores = torch.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(self.head_dim)  # (bsz, g, n_rep, seqlen, max_seq_len)
+        scores = torch.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(self.head_dim)  # (bsz, g, r, seqlen, max_seq_len)
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (bsz, 1, 1, seqlen, max_seq_len)
         probs = F.softmax(scores.float(), dim=-1).type_as(q)
         y = torch.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(bsz, seqlen, -1)  # (bsz, seqlen, n_heads * head_dim)

@@ -43,9 +43,9 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def param_spec(name, ndim, tp=1, shape=None):
-    """Partition spec of one weight as nn.Linear stores it, (out_features, in_features) (`model.Linear`
-    stores the transpose and is placed with the reversed spec), or of a
-    quantized layer's tensors (quantize.Int8Linear / Int4Linear), named like the weight:
+    """Partition spec of one weight as nn.Linear stores it, (out_features, in_features), or of a
+    quantized layer's tensors (quantize.Int8Linear / Int4Linear), named like the weight.
+    (`model.Linear` stores the transpose; `shard_for_inference` places it with the reversed spec.)
 
     - `<layer>.weight`: int8 codes (out, in) or packed int4 codes (out, in // 2): the same rule
       as a float weight. Row-parallel splits the packed dim; byte i holds inputs 2i and 2i+1,
