@@ -15,7 +15,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 
 .venv/installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e '.[dev,scan]'
 	touch $@
 
 # Execute every notebook with N stand-in devices into outputs/devices-N/ (asserts must hold).

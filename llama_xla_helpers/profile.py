@@ -40,7 +40,7 @@ from torch.utils.data import TensorDataset
 from .data import load_corpus, train_val_split
 from .metrics import count_compiles
 from .sharding import sharded_loader
-from .train import DTYPES, Adafactor, build_model, checkpoint_layers, forward_loss, setup
+from .train import DTYPES, Adafactor, build_model, forward_loss, prepare_layers, setup
 
 STEP = "step"                                       # the StepTrace name `capture` gives each step
 EXECUTE = "PjRtComputationClient::ExecuteReplicated"  # torch_xla running a compiled graph (host side)
@@ -105,8 +105,7 @@ def profile_training(cfg, logdir, steps=3, warmup=2):
     one batch, as `traced_train_step`; returns the capture's folder."""
     cfg, mesh, config = setup(cfg)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
-    if cfg.gradient_checkpointing:
-        checkpoint_layers(model)
+    prepare_layers(model, cfg)
     model.train()
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
     train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)

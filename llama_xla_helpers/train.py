@@ -23,9 +23,14 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 import torch_xla.utils.checkpoint
+from functorch.compile import default_partition, min_cut_rematerialization_partition
+from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.data import TensorDataset
+from torch_xla.experimental.scan_layers import scan_layers
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from . import checkpoint
@@ -35,7 +40,7 @@ from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_by
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
 from .cli import ArgumentParser, int_list, user_errors
-from .runtime import chip, init_runtime
+from .runtime import chip, compile_cache_counters, init_runtime
 from .sharding import STRATEGIES, shard_activations, shard_params, shard_shape, sharded_loader
 
 
@@ -60,7 +65,8 @@ class TrainConfig:
     eval_every: int = 0               # 0: evaluate once, at the end
     eval_batches: int = 8
     log_every: int = 10               # read losses back to the host every this many steps
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward pass
+    scan_layers: bool = False         # run the decoder layers through torch_xla's scan: one layer compiled, not all
     compile_cache: str = None         # a folder keeping compiled programs across runs (runtime.init_runtime)
     compile_cache_readonly: bool = False  # read compile_cache, write nothing (a cache shared by many jobs)
     progress: bool = False            # a tqdm bar with loss and tokens/s (the CLI turns it on)
@@ -259,6 +265,76 @@ def checkpoint_layers(model):
     model._set_gradient_checkpointing(True, partial(torch_xla.utils.checkpoint.checkpoint, use_reentrant=True))
 
 
+def prepare_layers(model, cfg):
+    """Apply cfg's layer options: scan over the layers, gradient checkpointing, or both."""
+    if cfg.scan_layers:
+        scan_decoder_layers(model, recompute=cfg.gradient_checkpointing)
+    elif cfg.gradient_checkpointing:
+        checkpoint_layers(model)
+
+
+class _LayerStep(torch.nn.Module):
+    """A decoder layer as one step of scan_layers, whose carry goes in and comes out whole: hidden
+    (bsz, seqlen, hidden_size), RoPE's cos and sin (1, seqlen, head_dim), and the attention mask
+    (bsz, 1, seqlen, seqlen) if the attention function takes one (SDPA's causal flag needs none)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden, cos, sin, *mask):
+        hidden = self.layer(hidden, attention_mask=mask[0] if mask else None, position_embeddings=(cos, sin))
+        return hidden, cos, sin, *mask
+
+
+def recompute_all(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
+    """An AOTAutograd partition for scan: save only each layer's inputs and run its whole forward
+    again in the backward pass (what checkpoint_layers does to the unrolled model)."""
+    for node in joint_module.graph.nodes:
+        if node.op == "call_function" and "recompute" not in node.meta:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0  # one graph: the partitioner groups recompute tags by this id
+    return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+
+def scan_decoder_layers(model, recompute=False):
+    """Run the decoder layers of a LlamaForCausalLM through torch_xla.experimental.scan_layers.
+
+    XLA then compiles one layer inside a loop over the stacked weights, not every layer one after
+    another, so compile time stops growing with depth. Forward and backward both loop; the
+    sharding of the weights and of the activations inside the layer (shard_params,
+    shard_activations) carries into the loop body. Under SPMD, torch_xla 2.9 needs JAX for the
+    backward (the `scan` extra).
+
+    recompute: save only each layer's input and recompute the rest in the backward pass (gradient
+    checkpointing); otherwise the backward keeps every activation the forward made. Between the
+    two, torch's `min_cut_rematerialization_partition` chooses what to recompute: give it to
+    scan_layers as `partition_fn` in place of `recompute_all`.
+
+    Only the model's forward changes (one instance's); its modules and state dict stay the same.
+    """
+    inner = model.model
+    steps = [_LayerStep(layer) for layer in inner.layers]  # kept: scan caches its trace per first step
+    partition = recompute_all if recompute else default_partition
+
+    def forward(input_ids, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                **unused):
+        if position_ids is not None or past_key_values is not None or inputs_embeds is not None:
+            raise ValueError("the scanned model takes input_ids and attention_mask only (training and "
+                             "evaluation); use the unrolled model for position_ids, a cache or embeddings")
+        hidden = inner.embed_tokens(input_ids)                                  # (bsz, seqlen, hidden_size)
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]  # (1, seqlen)
+        mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  past_key_values=None, position_ids=positions)
+        cos, sin = inner.rotary_emb(hidden, positions)                        # (1, seqlen, head_dim) each
+        carry = (hidden, cos, sin) + (() if mask is None else (mask,))
+        hidden, *_ = scan_layers(steps, carry, partition_fn=partition, is_layer_pure=True)
+        return BaseModelOutputWithPast(last_hidden_state=inner.norm(hidden))
+
+    inner.forward = forward
+    return model
+
+
 def train(cfg):
     """Train as `cfg` says; returns a TrainResult."""
     cfg, mesh, config = setup(cfg)
@@ -267,8 +343,7 @@ def train(cfg):
         _check_resume(checkpoint.read_meta(resume_from), cfg)
     train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
-    if cfg.gradient_checkpointing:
-        checkpoint_layers(model)
+    prepare_layers(model, cfg)
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
     start = 0
     if resume_from:
@@ -347,8 +422,7 @@ def profile_step(cfg):
     init_runtime(hlo_dump_dir=...) and shapes not compiled before in this process)."""
     cfg, mesh, config = setup(cfg)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, dtype=DTYPES[cfg.dtype])
-    if cfg.gradient_checkpointing:
-        checkpoint_layers(model)
+    prepare_layers(model, cfg)
     model.train()  # HF checkpoints layers only in training mode
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
     train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)
@@ -400,6 +474,10 @@ def main(argv=None):
         print(f"SIGTERM: saved a checkpoint at step {step}; resume with --resume")
     print(f"step {step}: train loss {result.losses[max(result.losses)]:.3f}, held-out loss {val:.3f} nats/byte; "
           f"{result.train_compiles} training graphs compiled")
+    if cfg.compile_cache:
+        c = compile_cache_counters()
+        print(f"compile cache: {c['PersistentCacheHit']} programs loaded, {c['PersistentCacheMiss']} compiled and "
+              f"added, {c['PersistentCacheDeserializeFailure']} found but not loadable on this device (compiled again)")
     if result.tokens_per_sec_per_chip is None:
         print("tokens/s/chip: not enough steps to measure (the first two compile)")
         return

@@ -8,6 +8,7 @@ compiles again. "A warm restart compiles nothing" is a TPU claim, not run here.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,14 +88,28 @@ def test_the_cache_fills_a_second_process_reads_it_and_read_only_writes_nothing(
 
 
 @pytest.mark.child_process
-def test_the_train_cli_fills_the_cache(tmp_path):
+def test_the_train_cli_twice_with_scan_finds_every_program_in_the_cache(tmp_path):
+    """`--scan-layers --compile-cache DIR`, run twice. The second run finds every program it needs
+    under the key the first run wrote (the traced programs are the same in a new process), so it
+    adds nothing; on a TPU it would load them and compile nothing. This CPU cannot load them."""
     cache = tmp_path / "cache"
-    out = subprocess.run([sys.executable, "-m", "llama_xla_helpers.train", "--steps", "1", "--batch-size", "8",
-                          "--seq-len", "16", "--eval-batches", "1", "--compile-cache", str(cache)],
-                         capture_output=True, text=True, timeout=600, env=child_env())
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "step 1: train loss" in out.stdout
-    assert len(list(cache.iterdir())) >= 2  # at least the training step and the evaluation
+    argv = [sys.executable, "-m", "llama_xla_helpers.train", "--steps", "3", "--batch-size", "8", "--seq-len", "16",
+            "--eval-batches", "1", "--scan-layers", "--compile-cache", str(cache)]
+
+    def counts():
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=child_env())
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "step 3: train loss" in out.stdout
+        line = next(l for l in out.stdout.splitlines() if l.startswith("compile cache:"))
+        print(line)
+        return [int(n) for n in re.findall(r"(\d+) (?:programs loaded|compiled and added|found but)", line)]
+
+    loaded, added, unloadable = counts()
+    assert loaded == unloadable == 0 and added >= 3  # the two training steps and the evaluation
+    written = entries(cache)
+    assert len(written) == added
+    assert counts() == [0, 0, added]  # all found, none new; this CPU compiles them again
+    assert entries(cache).keys() == written.keys()
 
 
 def test_bad_cache_folders(tmp_path):

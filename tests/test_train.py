@@ -186,9 +186,10 @@ def test_gradient_checkpointing_gives_the_same_losses():
 
 def test_cli_flags_mirror_the_config():
     cfg, debug = _parse_args(["--mesh", "2,4", "--strategy", "fsdp", "--steps", "7", "--lr", "0.003", "--resume",
-                       "--checkpoint-dir", "ck", "--data", "corpus.txt", "--gradient-checkpointing"])
+                       "--checkpoint-dir", "ck", "--data", "corpus.txt", "--gradient-checkpointing", "--scan-layers"])
     assert cfg == dataclasses.replace(TrainConfig(), mesh=(2, 4), strategy="fsdp", steps=7, lr=0.003, resume=True,
-                                      checkpoint_dir="ck", data="corpus.txt", gradient_checkpointing=True)
+                                      checkpoint_dir="ck", data="corpus.txt", gradient_checkpointing=True,
+                                      scan_layers=True)
 
 
 def test_bad_training_input():

@@ -1,0 +1,74 @@
+"""Scan over the decoder layers (TrainConfig.scan_layers): the losses of the unrolled model, each
+weight's sharding kept inside the compiled loop, and recompute (gradient checkpointing) inside it."""
+import dataclasses
+import re
+
+import pytest
+import torch_xla
+from torch.utils.data import TensorDataset
+
+from llama_xla_helpers.data import load_corpus, train_val_split
+from llama_xla_helpers.hlo import BUFFER_ASSIGNMENT, compiled_hlo, instructions, temp_bytes
+from llama_xla_helpers.sharding import shard_shape, sharded_loader
+from llama_xla_helpers.train import TrainConfig, build_model, forward_loss, prepare_layers, setup, train
+from test_train import SMALL, cpu_losses
+from util import N, shapes_2d
+
+MESH = shapes_2d()[1]  # the automatic pick: both axes used where the device count allows
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize("strategy, recompute", [("2d", False), ("fsdp", True)])
+def test_scanned_layers_train_like_the_unrolled_model(strategy, recompute):
+    cfg = dataclasses.replace(SMALL, steps=5, strategy=strategy, mesh=MESH if strategy == "2d" else (N, 1),
+                              scan_layers=True, gradient_checkpointing=recompute)
+    result = train(cfg)
+    want = cpu_losses(cfg)  # the unrolled Hugging Face model, unsharded, in plain PyTorch
+    assert list(result.losses) == list(want)
+    for step in want:
+        assert result.losses[step] == pytest.approx(want[step], abs=2e-4), step
+    assert type(result.model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # modules and state dict unchanged
+
+
+def loop_types(hlo):
+    """The tuple type of every while loop in an HLO module: what the loop carries from one layer to the next."""
+    return [re.match(r"\s*%\S+ = \((.*?)\) while\(", line).group(1) for line in instructions(hlo, "while")]
+
+
+def compiled_backward(cfg, kind="after_optimizations.txt"):
+    """The model of cfg and what XLA compiled (`kind`, see hlo.compiled_hlo) for one forward and backward."""
+    cfg, mesh, config = setup(cfg)
+    model = build_model(config, mesh, cfg.strategy)
+    prepare_layers(model, cfg)
+    train_ids, _ = train_val_split(load_corpus(), cfg.seq_len)
+    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
+    with compiled_hlo(kind) as modules:
+        forward_loss(model, ids).backward()
+        torch_xla.sync()
+    return model, mesh, "".join(modules)
+
+
+@pytest.mark.devices
+def test_the_loop_carries_each_weight_sharded():
+    """The compiled step loops over the stacked weights, each as its own shard: (layers, *shard)."""
+    cfg = TrainConfig(seq_len=24, batch_size=max(8, N), mesh=MESH, scan_layers=True)  # seq_len 24: not cached
+    model, mesh, hlo = compiled_backward(cfg)
+    loops = loop_types(hlo)
+    assert len(loops) == 2  # forward and backward: the layers are not unrolled
+    layers = model.config.num_hidden_layers
+    for name, p in model.model.layers[0].named_parameters():
+        if p.dim() == 2:  # the seven projections
+            shard = f"f32[{layers},{','.join(map(str, shard_shape(p)))}]"
+            assert all(shard in loop for loop in loops), (name, shard, loops)
+            if mesh.size() > 1:
+                whole = f"f32[{layers},{','.join(map(str, p.shape))}]"
+                assert not any(whole in loop for loop in loops), (name, whole)
+
+
+def test_recompute_inside_the_scan_keeps_fewer_activations():
+    cfg = TrainConfig(seq_len=48, batch_size=max(8, N), mesh=MESH, scan_layers=True)
+    kept = temp_bytes(compiled_backward(cfg, BUFFER_ASSIGNMENT)[2])
+    recomputed = temp_bytes(compiled_backward(dataclasses.replace(cfg, gradient_checkpointing=True),
+                                              BUFFER_ASSIGNMENT)[2])  # another graph: compiled, not cached
+    print(f"scratch bytes per device: {kept:,} keeping activations, {recomputed:,} recomputing them")
+    assert recomputed < kept
