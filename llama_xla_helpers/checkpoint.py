@@ -355,7 +355,11 @@ def _write(state, meta, tmp, final, no_dist, lead):
     local folder, the rename that makes the checkpoint visible."""
     url = _is_url(final)
     # sync_files=False at a URL: an object is stored when its upload closes (DCP would call os.sync()).
-    writer = FsspecWriter(tmp, sync_files=False) if url else dcp.FileSystemWriter(tmp)
+    # per_thread_copy_ahead=0: DCP's serial loader (the shards are already on the host). Its copy-ahead
+    # loader is for an accelerator's streams: with torchax imported (the `scan` extra; mark_sharding
+    # imports it) DCP takes torchax's device module for one and fails ("no attribute 'current_stream'").
+    writer = (FsspecWriter(tmp, sync_files=False, per_thread_copy_ahead=0) if url else
+              dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0))
     with _quiet():
         dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=no_dist)
     _barrier(no_dist)  # every host's shards are written
