@@ -25,8 +25,14 @@ define run_at
 		CPU_NUM_DEVICES=$(1) $(EXECUTE) --log-level=ERROR --output-dir outputs/devices-$(1) $$nb || exit 1; done
 endef
 
+# pytest in two processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
+# compiling every test's graphs crashed near the end (a segfault) once the scan tests were added.
+TESTS_A := $(sort $(wildcard tests/test_[a-m]*.py))
+TESTS_B := $(sort $(wildcard tests/test_[n-z]*.py))
+
 test: .venv/installed
-	CPU_NUM_DEVICES=8 $(PY) -m pytest -q tests/
+	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_A)
+	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_B)
 	CPU_NUM_DEVICES=8 $(NBVAL) $(NOTEBOOKS)
 	$(call run_at,4)
 
