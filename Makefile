@@ -16,6 +16,9 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 .venv/installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -e '.[dev,scan]'
+	# torch_xla 2.9's wheel carries an older torchax (it imports flax) that replaces the scan extra's
+	# whenever pip installs torch_xla after it; put torchax 0.0.7 back.
+	$(PY) -m pip install --no-deps --force-reinstall torchax==0.0.7
 	touch $@
 
 # Execute every notebook with N stand-in devices into outputs/devices-N/ (asserts must hold).

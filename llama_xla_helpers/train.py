@@ -26,6 +26,7 @@ import torch_xla.utils.checkpoint
 from functorch.compile import default_partition, min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.data import TensorDataset
+from torch_xla._internal import jax_workarounds
 from torch_xla.experimental.scan_layers import scan_layers
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -249,6 +250,8 @@ def setup(cfg):
     # On a CPU an explicit mesh sizes the stand-in; on a TPU the mesh must match the chips (make_mesh checks).
     init_runtime(cpu_devices=math.prod(cfg.mesh) * slices if cfg.mesh else None, cache_dir=cfg.compile_cache,
                  cache_readonly=cfg.compile_cache_readonly)
+    if cfg.scan_layers:
+        check_scan_extra()
     shape = tuple(cfg.mesh) if cfg.mesh else mesh_shape(xr.global_runtime_device_count() // slices, config)
     dtype = cfg.dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
     if slices == 1:
@@ -297,6 +300,22 @@ def recompute_all(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
     return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
 
+SCAN_INSTALL = ("pip install -e '.[scan]' && pip install --no-deps --force-reinstall torchax==0.0.7 (torch_xla "
+                "2.9's wheel bundles an older torchax that needs flax and replaces the extra's)")
+
+
+def check_scan_extra():
+    """Under SPMD, scan_layers' backward calls JAX (torch_xla's `shard_as`), through torchax; fail
+    before any work if they do not import, instead of in the first backward pass."""
+    if not xr.is_spmd():
+        return
+    for name, module in (("jax", jax_workarounds.maybe_get_jax(log=False)),
+                         ("torchax", jax_workarounds.maybe_get_torchax())):
+        if module is None:
+            raise ValueError(f"scan_layers=True (--scan-layers) under SPMD needs {name} (jax==0.7.1, "
+                             f"torchax==0.0.7), and it does not import here; install them: {SCAN_INSTALL}")
+
+
 def scan_decoder_layers(model, recompute=False):
     """Run the decoder layers of a LlamaForCausalLM through torch_xla.experimental.scan_layers.
 
@@ -313,6 +332,7 @@ def scan_decoder_layers(model, recompute=False):
 
     Only the model's forward changes (one instance's); its modules and state dict stay the same.
     """
+    check_scan_extra()
     inner = model.model
     steps = [_LayerStep(layer) for layer in inner.layers]  # kept: scan caches its trace per first step
     partition = recompute_all if recompute else default_partition

@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 from llama_xla_helpers.data import load_corpus, train_val_split
 from llama_xla_helpers.hlo import BUFFER_ASSIGNMENT, compiled_hlo, instructions, temp_bytes
 from llama_xla_helpers.sharding import shard_shape, sharded_loader
+from llama_xla_helpers import train as train_module
 from llama_xla_helpers.train import TrainConfig, build_model, forward_loss, prepare_layers, setup, train
 from test_train import SMALL, cpu_losses
 from util import N, shapes_2d
@@ -72,3 +73,16 @@ def test_recompute_inside_the_scan_keeps_fewer_activations():
                                               BUFFER_ASSIGNMENT)[2])  # another graph: compiled, not cached
     print(f"scratch bytes per device: {kept:,} keeping activations, {recomputed:,} recomputing them")
     assert recomputed < kept
+
+
+def test_without_torchax_the_cli_says_how_to_install_it_before_any_work(monkeypatch, capsys):
+    """torch_xla 2.9's wheel overwrites the scan extra's torchax with one that needs flax; the CLI
+    then stops with one error line naming the fix, not in the first backward pass."""
+    monkeypatch.setattr(train_module.jax_workarounds, "maybe_get_torchax", lambda: None)
+    monkeypatch.setattr(train_module, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(SystemExit) as exit:
+        train_module.main(["--steps", "1", "--scan-layers"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: scan_layers=True (--scan-layers) under SPMD needs torchax")
+    assert "pip install --no-deps --force-reinstall torchax==0.0.7" in err
