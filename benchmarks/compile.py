@@ -38,29 +38,25 @@ def first_steps(cfg, steps, layers=None):
     """Train `steps` steps of cfg (with `layers` decoder layers if given) on one batch:
     (seconds XLA spent compiling, the time each step ended)."""
     import torch_xla
-    import torch_xla.debug.metrics as met
-    from torch.utils.data import TensorDataset
 
     from llama_xla_helpers.configs import get_config
-    from llama_xla_helpers.data import load_corpus, train_val_split
-    from llama_xla_helpers.sharding import sharded_loader
-    from llama_xla_helpers.train import Adafactor, build_model, prepare_layers, setup, train_step
+    from llama_xla_helpers.metrics import compile_seconds
+    from llama_xla_helpers.train import Adafactor, build_model, first_batch, prepare_layers, setup, train_step
 
     cfg, mesh, config = setup(cfg)
     config = get_config(cfg.model, num_hidden_layers=layers) if layers else config
     model = build_model(config, mesh, cfg.strategy, cfg.seed)
     prepare_layers(model, cfg)
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
-    train_ids, _ = train_val_split(load_corpus(), cfg.seq_len)
-    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
-    compile_ns = (met.metric_data("CompileTime") or (0, 0))[1]
+    ids = first_batch(cfg, mesh)
+    compiled = compile_seconds()
     times = [time.perf_counter()]
     for _ in range(steps):
         loss = train_step(model, optimizer, ids)
         torch_xla.sync()
         loss.item()  # the step has finished
         times.append(time.perf_counter())
-    return ((met.metric_data("CompileTime") or (0, 0))[1] - compile_ns) / 1e9, times
+    return compile_seconds() - compiled, times
 
 
 def child(what, cache):
@@ -98,23 +94,19 @@ def forward_backward(layers, scan):
     """Seconds XLA spends compiling one forward and backward pass (no optimizer) of the tiny model
     with `layers` decoder layers: the part of the step that scan changes."""
     import torch_xla
-    import torch_xla.debug.metrics as met
-    from torch.utils.data import TensorDataset
 
     from llama_xla_helpers.configs import get_config
-    from llama_xla_helpers.data import load_corpus, train_val_split
-    from llama_xla_helpers.sharding import sharded_loader
-    from llama_xla_helpers.train import TrainConfig, build_model, forward_loss, prepare_layers, setup
+    from llama_xla_helpers.metrics import compile_seconds
+    from llama_xla_helpers.train import TrainConfig, build_model, first_batch, forward_loss, prepare_layers, setup
 
     cfg, mesh, _ = setup(TrainConfig(batch_size=BATCH, seq_len=SEQ, scan_layers=scan))
     model = build_model(get_config("tiny", num_hidden_layers=layers), mesh)
     prepare_layers(model, cfg)
-    train_ids, _ = train_val_split(load_corpus(), SEQ)
-    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:BATCH]), BATCH, mesh))
-    before = (met.metric_data("CompileTime") or (0, 0))[1]
+    ids = first_batch(cfg, mesh)
+    before = compile_seconds()
     forward_loss(model, ids).backward()
     torch_xla.sync()
-    return ((met.metric_data("CompileTime") or (0, 0))[1] - before) / 1e9
+    return compile_seconds() - before
 
 
 def measure_cache():

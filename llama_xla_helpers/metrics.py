@@ -191,6 +191,14 @@ def count_compiles():
     return data[0] if data else 0
 
 
+def compile_seconds():
+    """Seconds spent compiling XLA graphs so far in this process (a difference times a stretch)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")  # (count, total nanoseconds, samples)
+    return data[1] / 1e9 if data else 0.0
+
+
 def roofline(chip, flops=0, hbm_bytes=0, ici_bytes=0):
     """Lower bounds in seconds on a step that, per chip, does `flops`, moves `hbm_bytes` through
     HBM and `ici_bytes` over ICI, each at the chip's published peak. The step takes at least the

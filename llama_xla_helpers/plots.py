@@ -127,6 +127,7 @@ def plot_lines(series, xlabel, ylabel, title, name, log=False, marks=(), integer
 def plot_slots(timeline, name="slot_timeline", title="which request holds which slot"):
     """The engine's slot timeline: timeline[step][slot] is a request id (None: free); each
     request is one coloured bar in its slot's row, labelled with its id."""
+    timeline = list(timeline)  # Engine.timeline is a deque: indexing its middle walks it
     steps, slots = len(timeline), len(timeline[0])
     fig = Figure(figsize=(7, 0.5 + 0.45 * slots))
     ax = fig.subplots()

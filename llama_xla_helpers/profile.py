@@ -35,12 +35,9 @@ from typing import NamedTuple
 
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.profiler as xp
-from torch.utils.data import TensorDataset
 
-from .data import load_corpus, train_val_split
 from .metrics import count_compiles
-from .sharding import sharded_loader
-from .train import DTYPES, Adafactor, build_model, forward_loss, prepare_layers, setup
+from .train import DTYPES, Adafactor, build_model, first_batch, forward_loss, prepare_layers, setup
 
 STEP = "step"                                       # the StepTrace name `capture` gives each step
 EXECUTE = "PjRtComputationClient::ExecuteReplicated"  # torch_xla running a compiled graph (host side)
@@ -108,8 +105,7 @@ def profile_training(cfg, logdir, steps=3, warmup=2):
     prepare_layers(model, cfg)
     model.train()
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
-    train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)
-    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
+    ids = first_batch(cfg, mesh)
     return capture(lambda: traced_train_step(model, optimizer, ids), logdir, steps, warmup)
 
 

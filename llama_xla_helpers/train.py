@@ -436,6 +436,14 @@ def read_losses(pending, losses):
         losses[step] = loss.item()
 
 
+def first_batch(cfg, mesh):
+    """The first `cfg.batch_size` sequences of cfg's training data, sharded over mesh's batch axes:
+    one fixed batch for measuring a step (profiles, compile time, compiled HLO)."""
+    train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)
+    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
+    return ids  # (batch_size, seq_len)
+
+
 def profile_step(cfg):
     """One steady-state training step, per device: bytes of parameters and optimizer state, and,
     read from its compiled HLO, its scratch bytes (activations), matmuls and collectives (needs
@@ -445,8 +453,7 @@ def profile_step(cfg):
     prepare_layers(model, cfg)
     model.train()  # HF checkpoints layers only in training mode
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
-    train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)
-    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
+    ids = first_batch(cfg, mesh)
     train_step(model, optimizer, ids)  # step 1 creates the optimizer state
     torch_xla.sync()
     with compiled_hlo() as modules, compiled_hlo(BUFFER_ASSIGNMENT) as buffers:

@@ -8,11 +8,13 @@
   https://pytorch.org/blog/maximizing-training/
 """
 import pytest
+import torch
+import torch_xla
 from transformers import LlamaForCausalLM
 
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.metrics import (
-    HBM_BYTES, PEAK_FLOPS, approx_params, cost_per_1k_tokens, flops_per_token,
+    HBM_BYTES, PEAK_FLOPS, approx_params, compile_seconds, cost_per_1k_tokens, count_compiles, flops_per_token,
     critical_batch, kv_cache_bytes, mfu, min_chips, param_bytes, param_count, plan, roofline,
 )
 
@@ -230,3 +232,14 @@ def test_roofline_and_critical_batch():
         roofline("tpu-v4", ici_bytes=1)
     with pytest.raises(ValueError, match="unknown chip with a published HBM bandwidth 'a100'"):
         roofline("a100")
+
+
+def test_compile_count_and_seconds_grow_with_a_new_graph_only():
+    x = torch.arange(7.0, device=torch_xla.device())  # a length no other test compiles
+    torch_xla.sync()
+    count, seconds = count_compiles(), compile_seconds()
+    (x * 3 + 1).sum().item()
+    assert count_compiles() == count + 1 and compile_seconds() > seconds
+    count, seconds = count_compiles(), compile_seconds()
+    (x * 3 + 1).sum().item()  # the same graph: XLA runs what it compiled
+    assert count_compiles() == count and compile_seconds() == seconds

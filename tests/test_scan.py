@@ -5,13 +5,11 @@ import re
 
 import pytest
 import torch_xla
-from torch.utils.data import TensorDataset
 
-from llama_xla_helpers.data import load_corpus, train_val_split
 from llama_xla_helpers.hlo import BUFFER_ASSIGNMENT, compiled_hlo, instructions, temp_bytes
-from llama_xla_helpers.sharding import shard_shape, sharded_loader
+from llama_xla_helpers.sharding import shard_shape
 from llama_xla_helpers import train as train_module
-from llama_xla_helpers.train import TrainConfig, build_model, forward_loss, prepare_layers, setup, train
+from llama_xla_helpers.train import TrainConfig, build_model, first_batch, forward_loss, prepare_layers, setup, train
 from test_train import SMALL, cpu_losses
 from util import N, shapes_2d
 
@@ -41,8 +39,7 @@ def compiled_backward(cfg, kind="after_optimizations.txt"):
     cfg, mesh, config = setup(cfg)
     model = build_model(config, mesh, cfg.strategy)
     prepare_layers(model, cfg)
-    train_ids, _ = train_val_split(load_corpus(), cfg.seq_len)
-    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
+    ids = first_batch(cfg, mesh)
     with compiled_hlo(kind) as modules:
         forward_loss(model, ids).backward()
         torch_xla.sync()
