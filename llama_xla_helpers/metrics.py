@@ -192,7 +192,8 @@ def count_compiles():
 
 
 def compile_seconds():
-    """Seconds spent compiling XLA graphs so far in this process (a difference times a stretch)."""
+    """Seconds spent compiling XLA graphs so far in this process; take the difference of two calls
+    to get the time spent compiling between them."""
     import torch_xla.debug.metrics as met
 
     data = met.metric_data("CompileTime")  # (count, total nanoseconds, samples)
