@@ -1,6 +1,7 @@
 # make tour:           run every notebook on this machine (the CPU stands in for a TPU slice)
 # make test:           pytest + nbval over the committed notebooks (8 devices), and every notebook
-#                      executed on 4 devices (a v4-8 / v5e-4 TPU VM's count): asserts, no output comparison
+#                      executed on 4 devices (a v4-8 / v5e-4 TPU VM's count): asserts, no output comparison.
+#                      Its four parts run two at a time (TEST_PARTS below).
 # make check-variants: what CI leaves out: nbval on another instruction set and on one thread,
 #                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices
 # All create .venv from pyproject.toml on first use.
@@ -21,11 +22,13 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 	$(PY) -m pip install --no-deps --force-reinstall torchax==0.0.7
 	touch $@
 
-# Execute every notebook with N stand-in devices into outputs/devices-N/ (asserts must hold).
+# Execute every notebook with N stand-in devices into outputs/devices-N/ (asserts must hold); the
+# notebooks write their checkpoints there too (LLAMA_XLA_OUTPUTS), apart from nbval's run in outputs/.
 define run_at
 	mkdir -p outputs/devices-$(1)
 	for nb in $(NOTEBOOKS); do echo "$$nb on $(1) devices"; \
-		CPU_NUM_DEVICES=$(1) $(EXECUTE) --log-level=ERROR --output-dir outputs/devices-$(1) $$nb || exit 1; done
+		CPU_NUM_DEVICES=$(1) LLAMA_XLA_OUTPUTS=$(CURDIR)/outputs/devices-$(1) \
+		$(EXECUTE) --log-level=ERROR --output-dir outputs/devices-$(1) $$nb || exit 1; done
 endef
 
 # pytest in two processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
@@ -33,11 +36,23 @@ endef
 TESTS_A := $(sort $(wildcard tests/test_[a-m]*.py))
 TESTS_B := $(sort $(wildcard tests/test_[n-z]*.py))
 
+# Each part is one process that keeps about one core busy (XLA:CPU compiles a program on one thread),
+# so on a 2-core machine two at a time take about half the time; the longest two start first.
+# --output-sync prints each part's output whole, when it ends.
+TEST_PARTS := test-nbval test-devices-4 test-pytest-b test-pytest-a
+.PHONY: $(TEST_PARTS)
+
 test: .venv/installed
-	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_A)
-	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_B)
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(TEST_PARTS)
+
+test-nbval:
 	CPU_NUM_DEVICES=8 $(NBVAL) $(NOTEBOOKS)
+test-devices-4:
 	$(call run_at,4)
+test-pytest-a:
+	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_A)
+test-pytest-b:
+	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_B)
 
 check-variants: .venv/installed
 	for n in 1 4 16; do CPU_NUM_DEVICES=$$n $(PY) -m pytest -q -m devices tests/ || exit 1; done
