@@ -54,12 +54,24 @@ test-pytest-a:
 test-pytest-b:
 	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_B)
 
+# The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS).
+VARIANT_DEVICES := variant-devices-1 variant-devices-4 variant-devices-16
+VARIANT_NOTEBOOKS := variant-notebooks-1 variant-notebooks-16
+VARIANT_PARTS := variant-one-thread variant-avx2 $(VARIANT_NOTEBOOKS) $(VARIANT_DEVICES)
+.PHONY: $(VARIANT_PARTS)
+
 check-variants: .venv/installed
-	for n in 1 4 16; do CPU_NUM_DEVICES=$$n $(PY) -m pytest -q -m devices tests/ || exit 1; done
-	CPU_NUM_DEVICES=8 XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 $(NBVAL) $(NOTEBOOKS)
-	CPU_NUM_DEVICES=8 taskset -c 0 $(NBVAL) $(NOTEBOOKS)
-	$(call run_at,1)
-	$(call run_at,16)
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(VARIANT_PARTS)
+
+variant-avx2:
+	CPU_NUM_DEVICES=8 XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+		LLAMA_XLA_OUTPUTS=$(CURDIR)/outputs/avx2 $(NBVAL) $(NOTEBOOKS)
+variant-one-thread:
+	CPU_NUM_DEVICES=8 LLAMA_XLA_OUTPUTS=$(CURDIR)/outputs/one-thread taskset -c 0 $(NBVAL) $(NOTEBOOKS)
+$(VARIANT_NOTEBOOKS): variant-notebooks-%:
+	$(call run_at,$*)
+$(VARIANT_DEVICES): variant-devices-%:
+	CPU_NUM_DEVICES=$* $(PY) -m pytest -q -m devices tests/
 
 tour: .venv/installed
 	mkdir -p outputs/figures

@@ -46,3 +46,10 @@ def int_list(example):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a list of ints like {example}") from None
     return parse
+
+
+def add_compile_cache_args(parser):
+    """--compile-cache DIR and --compile-cache-readonly, for `runtime.init_runtime(cache_dir, cache_readonly)`."""
+    parser.add_argument("--compile-cache", metavar="DIR", help="keep compiled programs in DIR across restarts "
+                                                            "(default: $LLAMA_XLA_COMPILE_CACHE, if set)")
+    parser.add_argument("--compile-cache-readonly", action="store_true", help="read --compile-cache, write nothing")

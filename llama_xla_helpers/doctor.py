@@ -2,6 +2,7 @@
 
     python -m llama_xla_helpers.doctor                   # a TPU VM (on a pod: every host at once)
     python -m llama_xla_helpers.doctor --cpu-devices 4   # a CPU: 4 virtual devices stand in
+    python -m llama_xla_helpers.doctor --compile-cache DIR   # twice: the second run should load, not compile
 
 One line per check, PASS or FAIL with a fix; exit status 1 if any check fails (2: a bad argument).
 On this 2-core CPU the whole run takes under a minute.
@@ -22,14 +23,15 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from transformers import LlamaForCausalLM
 
-from .cli import ArgumentParser
+from .cli import ArgumentParser, add_compile_cache_args
 from .configs import get_config
 from .generate import Generator
 from .mesh import make_mesh, mesh_shape
 from .metrics import HBM_BANDWIDTH, PEAK_FLOPS
 from .model import Llama
 from .parallel import replicate_kv_heads, shard_for_inference
-from .runtime import accelerator_type, chip, init_runtime, tpu_chips_present
+from .runtime import (accelerator_type, check_cache_dir, chip, compile_cache_counters, compile_cache_dir,
+                      compile_cache_summary, init_runtime, tpu_chips_present)
 from .sharding import to_sharded
 from .train import DTYPES, TrainConfig, train
 
@@ -106,7 +108,7 @@ def prompts(lengths):
 # --- The checks: each returns what passed, or raises ------------------------------------------
 
 def check_runtime(args):
-    info = init_runtime(args.cpu_devices)
+    info = init_runtime(args.cpu_devices, cache_dir=args.compile_cache, cache_readonly=args.compile_cache_readonly)
     return (f"{info.device_kind}, chip {info.chip}, {plural(info.num_devices, 'device')}, "
             f"{plural(info.process_count, 'host')}")
 
@@ -224,6 +226,15 @@ def check_fallbacks(args):
     return "no aten op ran on the CPU in the checks above"
 
 
+def check_compile_cache(args):
+    """What the persistent cache did in the checks above. Run twice with the same folder: the second
+    run should load every program. A CPU finds them but cannot load them; a TPU that cannot fails."""
+    summary = f"{compile_cache_dir()}: {compile_cache_summary()}"
+    if compile_cache_counters()["PersistentCacheDeserializeFailure"] and xr.device_type() == "TPU":
+        raise CheckFailed(summary)
+    return summary
+
+
 CHECKS = (  # (name, check(args) -> what passed, the fix to print when it fails)
     ("runtime", check_runtime,
      "on a TPU VM: pip install -e '.[tpu]' (libtpu), unset PJRT_DEVICE, stop any process that holds the "
@@ -244,6 +255,10 @@ CHECKS = (  # (name, check(args) -> what passed, the fix to print when it fails)
      "each op copies tensors to the host and back and splits the graph: replace it, or move it out of "
      "the step (torch_xla.debug.metrics.metrics_report() counts them)"),
 )
+COMPILE_CACHE_CHECK = (  # after CHECKS, when init_runtime set up a cache (--compile-cache, $LLAMA_XLA_COMPILE_CACHE)
+    "compile cache", check_compile_cache,
+    "this torch_xla and libtpu cannot load what they wrote (pytorch/xla issue 9094): run without a cache, or "
+    "delete the folder and try again after upgrading")
 
 
 def positive_int(text):
@@ -262,7 +277,13 @@ def parse_args(argv=None):
                         help="virtual XLA devices on a CPU (default: CPU_NUM_DEVICES, else 8)")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="parameters of the training and generation checks (default: bf16 on a TPU, fp32 on a CPU)")
+    add_compile_cache_args(parser)
     args = parser.parse_args(argv)
+    if args.compile_cache:
+        try:
+            check_cache_dir(args.compile_cache, args.compile_cache_readonly)
+        except ValueError as e:
+            parser.error(str(e))
     if args.cpu_devices and tpu_chips_present():
         parser.error(f"--cpu-devices {args.cpu_devices} is for a machine without a TPU, and this one has TPU "
                      f"chips; drop it")
@@ -272,7 +293,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     # The other checks need the runtime: if it does not start, they would only repeat its error.
-    return run_checks(CHECKS[:1], args) or run_checks(CHECKS[1:], args)
+    if run_checks(CHECKS[:1], args):
+        return 1
+    return run_checks(CHECKS[1:] + ((COMPILE_CACHE_CHECK,) if compile_cache_dir() else ()), args)
 
 
 if __name__ == "__main__":

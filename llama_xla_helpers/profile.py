@@ -168,20 +168,22 @@ def top_ops(path, n=10, where=None, by_kind=False):
 
 def step_timeline(path, name=STEP):
     """Each traced step (the StepTrace `name`), the scopes directly inside it on its thread (the
-    xp.Trace parts, torch_xla's StepMarker sync), and each run of a compiled graph (EXECUTE) that
-    starts during a step: [(name, start_ms, duration_ms), ...] from the first step's start."""
+    xp.Trace parts, torch_xla's StepMarker sync), and each run of a compiled graph (EXECUTE) from
+    the first step's start on: [(name, start_ms, duration_ms), ...] from the first step's start.
+    A step's graph runs after its sync, on another thread, so the last one can start after the
+    last step's scope has ended (`capture` waits for it before it stops the trace)."""
     events = read_events(path)
     steps = [e for e in events if e.name == name]
     if not steps:
         raise ValueError(f"no step named {name!r} in the trace; pass name= the name given to xp.StepTrace "
                          f"({STEP!r} for profile.capture)")
-    t0, end = steps[0].start_ms, max(s.start_ms + s.duration_ms for s in steps)
+    t0 = steps[0].start_ms
     timeline = []
     for step in steps:
         inside = [e for e in events if (e.process, e.thread) == (step.process, step.thread) and e is not step
                   and step.start_ms <= e.start_ms and e.start_ms + e.duration_ms <= step.start_ms + step.duration_ms]
         timeline += [step] + [e for e in inside if not any(_contains(o, e) for o in inside if o is not e)]
-    timeline += [e for e in events if e.name == EXECUTE and t0 <= e.start_ms <= end]
+    timeline += [e for e in events if e.name == EXECUTE and e.start_ms >= t0]
     return sorted(((e.name, e.start_ms - t0, e.duration_ms) for e in timeline), key=lambda e: e[1])
 
 

@@ -84,7 +84,7 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
     It must come before anything compiles and stays for the process: calling again with the same
     cache, or with cache_dir=None, is fine; another cache raises (restart the process to change it).
     """
-    if cache_dir is None and "XLA_PERSISTENT_CACHE_PATH" not in os.environ:  # the variable, unless one is set up
+    if cache_dir is None and compile_cache_dir() is None:  # the variable, unless a cache is set up
         cache_dir = os.environ.get(COMPILE_CACHE_VAR) or None
     if cache_dir:
         check_cache_dir(cache_dir, cache_readonly)
@@ -156,7 +156,7 @@ def init_compile_cache(path, readonly):
     import torch_xla
     import torch_xla.runtime as xr
 
-    active = os.environ.get("XLA_PERSISTENT_CACHE_PATH")  # what initialize_cache sets and XLA reads
+    active = compile_cache_dir()
     active_readonly = os.environ.get("XLA_PERSISTENT_CACHE_READ_ONLY") == "1"
     if active is not None and (active, active_readonly) == (path, readonly):
         return
@@ -167,6 +167,18 @@ def init_compile_cache(path, readonly):
                            f"(readonly={readonly}); restart the process (or kernel) and call "
                            f"init_runtime(cache_dir=...) before anything compiles")
     xr.initialize_cache(path, readonly=readonly)
+
+
+def compile_cache_dir():
+    """The folder of this process's persistent compilation cache, or None if it has none."""
+    return os.environ.get("XLA_PERSISTENT_CACHE_PATH")  # what xr.initialize_cache sets and XLA reads
+
+
+def compile_cache_summary():
+    """What the persistent cache did so far in this process, in one line."""
+    c = compile_cache_counters()
+    return (f"{c['PersistentCacheHit']} programs loaded, {c['PersistentCacheMiss']} compiled and added, "
+            f"{c['PersistentCacheDeserializeFailure']} found but not loadable on this device (compiled again)")
 
 
 def compile_cache_counters():

@@ -74,7 +74,7 @@ from starlette.exceptions import HTTPException
 from transformers import LlamaConfig
 
 from . import checkpoint
-from .cli import ArgumentParser, int_list, user_errors
+from .cli import ArgumentParser, add_compile_cache_args, int_list, user_errors
 from .data import ByteTokenizer
 from .engine import Engine, QueueFull
 from .generate import check_buckets, load_tokenizer
@@ -549,9 +549,7 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: any free port")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on a TPU, fp32 on a CPU")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization")
-    parser.add_argument("--compile-cache", metavar="DIR", help="keep compiled programs in DIR across restarts "
-                                                            "(default: $LLAMA_XLA_COMPILE_CACHE, if set)")
-    parser.add_argument("--compile-cache-readonly", action="store_true", help="read --compile-cache, write nothing")
+    add_compile_cache_args(parser)
     parser.add_argument("--debug", action="store_true", help="tracebacks of input errors, uvicorn's request log")
     args = parser.parse_args(argv)
     if args.mesh and (len(args.mesh) != 2 or min(args.mesh) < 1):

@@ -1,6 +1,7 @@
 """profile.py: a trace of steady-state training steps, captured in a child process (the profiler
 and the runtime belong to one process), then read back here with no TensorBoard: the files the
 profiler wrote, the top XLA ops, and the step timeline with the StepTrace and xp.Trace names."""
+import gzip
 import json
 import os
 import subprocess
@@ -106,3 +107,17 @@ def test_step_timeline_names_a_missing_step(captured):
     run, _ = captured
     with pytest.raises(ValueError, match="no step named 'train_step' in the trace; pass name= the name given"):
         profile.step_timeline(run, name="train_step")
+
+
+def test_the_timeline_keeps_a_graph_run_that_starts_after_its_step(tmp_path):
+    """The last step's graph runs after the step's sync returned (on a loaded machine, well after)."""
+    def event(name, ms, dur, tid=1):
+        return dict(ph="X", name=name, ts=ms * 1000, dur=dur * 1000, pid=1, tid=tid)  # ts, dur: microseconds
+    trace = [dict(ph="M", name="process_name", pid=1, args=dict(name="/host:CPU")),
+             event(profile.EXECUTE, 0, 5, tid=2),                                 # before the first step: left out
+             event("step", 10, 10), event("forward", 11, 4), event(profile.EXECUTE, 18, 5, tid=2),
+             event("step", 20, 10), event("forward", 21, 4), event(profile.EXECUTE, 33, 5, tid=2)]
+    with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=trace), f)
+    assert profile.step_timeline(tmp_path) == [("step", 0, 10), ("forward", 1, 4), (profile.EXECUTE, 8, 5),
+                                               ("step", 10, 10), ("forward", 11, 4), (profile.EXECUTE, 23, 5)]
