@@ -150,7 +150,9 @@ def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch
     init = checkpoint.hf_reader(init_from, dtype) if init_from else init_weights(config, seed, dtype)
     shard_params(model, mesh, strategy, init=init)
     if strategy == "2d":
-        shard_activations(model, mesh)
+        shard_activations(model, mesh)  # its own eager attention, with Table 2's annotations
+    else:  # SDPA's mask shortcut reads the attention mask back to the host: a sync inside every step
+        model.set_attn_implementation("eager")  # (on XLA, SDPA lowers to the same math)
     return model
 
 

@@ -89,10 +89,11 @@ def test_adafactor_matches_transformers_adafactor():
 
 
 @pytest.mark.devices
-def test_training_compiles_two_graphs_however_many_steps():
+@pytest.mark.parametrize("strategy, mesh", [("2d", None), ("fsdp", (N, 1))])
+def test_training_compiles_two_graphs_however_many_steps(strategy, mesh):
     # A shape no other test uses, so the graphs are compiled here and not taken from the cache.
-    result = train(dataclasses.replace(SMALL, steps=8, seq_len=40, log_every=3))
-    assert result.train_compiles == 2   # step 1 (creates optimizer state) and every later step
+    result = train(dataclasses.replace(SMALL, steps=8, seq_len=40, log_every=3, strategy=strategy, mesh=mesh))
+    assert result.train_compiles == 2   # step 1 (creates optimizer state) and every later step: nothing read mid-step
     assert sorted(result.losses) == list(range(1, 9))  # every step's loss, read every 3 steps
     assert all(isinstance(v, float) for v in result.losses.values())
     assert result.mfu is None           # not a TPU
