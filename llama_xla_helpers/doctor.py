@@ -229,8 +229,9 @@ def check_fallbacks(args):
 def check_compile_cache(args):
     """What the persistent cache did in the checks above. Run twice with the same folder: the second
     run should load every program. A CPU finds them but cannot load them; a TPU that cannot fails."""
-    summary = f"{compile_cache_dir()}: {compile_cache_summary()}"
-    if compile_cache_counters()["PersistentCacheDeserializeFailure"] and xr.device_type() == "TPU":
+    counters = compile_cache_counters()
+    summary = f"{compile_cache_dir()}: {compile_cache_summary(counters)}"
+    if counters["PersistentCacheDeserializeFailure"] and xr.device_type() == "TPU":
         raise CheckFailed(summary)
     return summary
 

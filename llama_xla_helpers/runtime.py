@@ -174,11 +174,12 @@ def compile_cache_dir():
     return os.environ.get("XLA_PERSISTENT_CACHE_PATH")  # what xr.initialize_cache sets and XLA reads
 
 
-def compile_cache_summary():
-    """What the persistent cache did so far in this process, in one line."""
-    c = compile_cache_counters()
-    return (f"{c['PersistentCacheHit']} programs loaded, {c['PersistentCacheMiss']} compiled and added, "
-            f"{c['PersistentCacheDeserializeFailure']} found but not loadable on this device (compiled again)")
+def compile_cache_summary(counters):
+    """What the persistent cache did, in one line, from `compile_cache_counters()`."""
+    loaded, added, failed = (counters[k] for k in ("PersistentCacheHit", "PersistentCacheMiss",
+                                                    "PersistentCacheDeserializeFailure"))
+    return (f"{loaded} programs loaded, {added} compiled and added, {failed} found but not loadable on this "
+            f"device (compiled again)")
 
 
 def compile_cache_counters():

@@ -41,7 +41,7 @@ from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_by
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
 from .cli import ArgumentParser, int_list, user_errors
-from .runtime import chip, compile_cache_summary, init_runtime
+from .runtime import chip, compile_cache_counters, compile_cache_summary, init_runtime
 from .sharding import STRATEGIES, shard_activations, shard_params, shard_shape, sharded_loader
 
 
@@ -504,7 +504,7 @@ def main(argv=None):
     print(f"step {step}: train loss {result.losses[max(result.losses)]:.3f}, held-out loss {val:.3f} nats/byte; "
           f"{result.train_compiles} training graphs compiled")
     if cfg.compile_cache:
-        print(f"compile cache: {compile_cache_summary()}")
+        print(f"compile cache: {compile_cache_summary(compile_cache_counters())}")
     if result.tokens_per_sec_per_chip is None:
         print("tokens/s/chip: not enough steps to measure (the first two compile)")
         return

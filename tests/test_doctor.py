@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from llama_xla_helpers import doctor, runtime
+from llama_xla_helpers import doctor
 from llama_xla_helpers.doctor import CHECKS, CheckFailed, check_compile_cache, cpu_fallbacks, one_line, run_checks
 
 DOCTOR = [sys.executable, "-m", "llama_xla_helpers.doctor"]
@@ -79,7 +79,6 @@ def test_item_is_not_a_cpu_fallback():
 def test_a_tpu_that_cannot_load_its_cache_fails_the_cache_check(monkeypatch):
     counters = {"compiles": 3, "PersistentCacheMiss": 0, "PersistentCacheHit": 0, "PersistentCacheLoad": 3,
                 "PersistentCacheDeserializeFailure": 3}  # a warm run that found 3 programs and loaded none
-    monkeypatch.setattr(runtime, "compile_cache_counters", lambda: counters)
     monkeypatch.setattr(doctor, "compile_cache_counters", lambda: counters)
     monkeypatch.setattr(doctor, "compile_cache_dir", lambda: "/cache")
     found = "/cache: 0 programs loaded, 0 compiled and added, 3 found but not loadable"
