@@ -7,13 +7,15 @@ import pytest
 import torch_xla
 
 from llama_xla_helpers import train as train_module
+from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.hlo import BUFFER_ASSIGNMENT, compiled_hlo, instructions, temp_bytes
+from llama_xla_helpers.mesh import mesh_shape
 from llama_xla_helpers.sharding import shard_shape
 from llama_xla_helpers.train import TrainConfig, build_model, first_batch, forward_loss, prepare_layers, setup, train
 from test_train import SMALL, cpu_losses
-from util import N, shapes_2d
+from util import N
 
-MESH = shapes_2d()[1]  # the automatic pick: both axes used where the device count allows
+MESH = mesh_shape(N, get_config("tiny"))  # the automatic pick: both axes used where the device count allows
 
 
 @pytest.mark.devices
