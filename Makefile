@@ -1,9 +1,10 @@
 # make tour:           run every notebook on this machine (the CPU stands in for a TPU slice)
 # make test:           pytest + nbval over the committed notebooks (8 devices), and every notebook
 #                      executed on 4 devices (a v4-8 / v5e-4 TPU VM's count): asserts, no output comparison.
-#                      Its four parts run two at a time (TEST_PARTS below).
+#                      Its four parts run two at a time (TEST_PARTS below). On a TPU VM: the TPU plan (below).
 # make check-variants: what CI leaves out: nbval on another instruction set and on one thread,
-#                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices
+#                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices,
+#                      and the tests and notebooks in bf16 (what a TPU runs by default)
 # All create .venv from pyproject.toml on first use.
 PY := .venv/bin/python
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
@@ -11,25 +12,46 @@ EXECUTE := $(PY) -m jupyter nbconvert --to notebook --execute --ExecutePreproces
 NBVAL := $(PY) -m pytest -q --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
 	--nbval-cell-timeout=1800
 export TF_CPP_MIN_LOG_LEVEL := 2
+comma := ,
+
+# The interpreter that creates .venv: PYTHON=..., else the first of these that runs and is 3.11 or newer
+# (Transformers 5 and FastAPI need it). Each is run, not just looked up: a pyenv shim can exist and fail.
+PYTHON_CANDIDATES := python3 python3.13 python3.12 python3.11
+PYTHON ?= $(firstword $(foreach p,$(PYTHON_CANDIDATES),\
+	$(shell $(p) -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && echo $(p))))
+NO_PYTHON := no Python 3.11 or newer here (tried $(PYTHON_CANDIDATES)). On a TPU VM (Ubuntu 22.04): \
+	sudo apt-get install -y python3.11 python3.11-venv, then make again; or PYTHON=/path/to/python3.11 make; \
+	or conda env create -f environment.yml
+# A TPU VM (chips at /dev/accel* on v2-v4, /dev/vfio/N from v5e on), or TPU=1 to force it: .venv gets the
+# 'tpu' extra (libtpu), and make test runs the TPU plan.
+TPU ?= $(if $(wildcard /dev/accel* /dev/vfio/[0-9]*),1)
+EXTRAS := dev,scan$(if $(TPU),$(comma)tpu)
 
 .PHONY: test tour notebooks check-variants clean
 
 .venv/installed: pyproject.toml
-	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -e '.[dev,scan]'
+	$(if $(wildcard $(PY)),,$(or $(PYTHON),$(error $(NO_PYTHON))) -m venv .venv)
+	$(PY) -m pip install -e '.[$(EXTRAS)]'
 	# torch_xla 2.9's wheel carries an older torchax (it imports flax) that replaces the scan extra's
 	# whenever pip installs torch_xla after it; put torchax 0.0.7 back.
 	$(PY) -m pip install --no-deps --force-reinstall torchax==0.0.7
 	touch $@
 
-# Execute every notebook with N stand-in devices into outputs/devices-N/ (asserts must hold); the
-# notebooks write their checkpoints there too (LLAMA_XLA_OUTPUTS), apart from nbval's run in outputs/.
-define run_at
-	mkdir -p outputs/devices-$(1)
-	for nb in $(NOTEBOOKS); do echo "$$nb on $(1) devices"; \
-		CPU_NUM_DEVICES=$(1) LLAMA_XLA_OUTPUTS=$(CURDIR)/outputs/devices-$(1) \
-		$(EXECUTE) --log-level=ERROR --output-dir outputs/devices-$(1) $$nb || exit 1; done
+# The variables a notebook run gets, beside the exported TF_CPP_MIN_LOG_LEVEL: where it writes its
+# checkpoints (LLAMA_XLA_OUTPUTS) and figures (LLAMA_XLA_FIGURES). The tour and every run in make test
+# use this and nothing else, so they run the notebooks as a reader does (a plain Jupyter sets neither:
+# the notebooks then write under outputs/ and save no figures); tests/test_makefile.py checks it.
+notebook_env = LLAMA_XLA_OUTPUTS=$(CURDIR)/$(1) LLAMA_XLA_FIGURES=$(CURDIR)/$(1)/figures
+
+# Execute every notebook into folder $(1) (asserts must hold; outputs are not compared), the notebooks'
+# checkpoints and figures there too. $(2): variables added to the tour's; a run at another device count
+# adds CPU_NUM_DEVICES and nothing else (the count is what it varies), the bf16 run its dtype.
+define execute_all
+	$(TIMED) mkdir -p $(1) && for nb in $(NOTEBOOKS); do echo "$$nb $(2)"; \
+		$(2) $(call notebook_env,$(1)) $(EXECUTE) --log-level=ERROR --output-dir $(1) $$nb || exit 1; done
 endef
+# Put in front of a part's one command line: prints the part's wall time when it ends, whatever its status.
+TIMED = @start=$$(date +%s); trap 'echo "$@: $$(($$(date +%s) - start)) s"' EXIT;
 
 # pytest in two processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
 # compiling every test's graphs crashed near the end (a segfault) once the scan tests were added.
@@ -40,49 +62,76 @@ TESTS_B := $(sort $(wildcard tests/test_[n-z]*.py))
 # so on a 2-core machine two at a time take about half the time; the longest two start first.
 # --output-sync prints each part's output whole, when it ends.
 TEST_PARTS := test-nbval test-devices-4 test-pytest-b test-pytest-a
-.PHONY: $(TEST_PARTS)
+.PHONY: $(TEST_PARTS) test-tpu
 
+ifeq ($(TPU),)
 test: .venv/installed
-	$(MAKE) --no-print-directory -j2 --output-sync=target $(TEST_PARTS)
+	$(TIMED) $(MAKE) --no-print-directory -j2 --output-sync=target $(TEST_PARTS)
+else
+# The TPU plan: the process that opens the chips holds them, so one part at a time. The tests (those that
+# start a child process opening the device skip themselves), then every notebook executed: asserts, no
+# comparison with the committed outputs, which a CPU wrote (a TPU's last digits and timings differ).
+test: .venv/installed
+	$(TIMED) $(MAKE) --no-print-directory test-pytest-a test-pytest-b test-tpu
+endif
 
+# No CPU_NUM_DEVICES: init_runtime's default (8) is what the committed outputs were written with.
 test-nbval:
-	CPU_NUM_DEVICES=8 $(NBVAL) $(NOTEBOOKS)
+	$(TIMED) $(call notebook_env,outputs/nbval) $(NBVAL) $(NOTEBOOKS)
 test-devices-4:
-	$(call run_at,4)
+	$(call execute_all,outputs/devices-4,CPU_NUM_DEVICES=4)
+test-tpu:
+	$(call execute_all,outputs/tpu)
 test-pytest-a:
-	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_A)
+	$(TIMED) $(PY) -m pytest -q $(TESTS_A)
 test-pytest-b:
-	CPU_NUM_DEVICES=8 $(PY) -m pytest -q $(TESTS_B)
+	$(TIMED) $(PY) -m pytest -q $(TESTS_B)
 
-# The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS).
+# The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS). The bf16 parts
+# run what a TPU runs by default (LLAMA_XLA_DEFAULT_DTYPE=bf16): every test (those whose point is fp32
+# equality pin fp32) and every notebook (asserts only).
 VARIANT_DEVICES := variant-devices-1 variant-devices-4 variant-devices-16
 VARIANT_NOTEBOOKS := variant-notebooks-1 variant-notebooks-16
-VARIANT_PARTS := variant-one-thread variant-avx2 $(VARIANT_NOTEBOOKS) $(VARIANT_DEVICES)
+VARIANT_BF16 := variant-bf16-notebooks variant-bf16-tests-a variant-bf16-tests-b
+VARIANT_PARTS := variant-one-thread variant-avx2 $(VARIANT_BF16) $(VARIANT_NOTEBOOKS) $(VARIANT_DEVICES)
 .PHONY: $(VARIANT_PARTS)
 
 check-variants: .venv/installed
-	$(MAKE) --no-print-directory -j2 --output-sync=target $(VARIANT_PARTS)
+	$(TIMED) $(MAKE) --no-print-directory -j2 --output-sync=target $(VARIANT_PARTS)
 
 variant-avx2:
-	CPU_NUM_DEVICES=8 XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 \
-		LLAMA_XLA_OUTPUTS=$(CURDIR)/outputs/avx2 $(NBVAL) $(NOTEBOOKS)
+	$(TIMED) XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 $(call notebook_env,outputs/avx2) \
+		$(NBVAL) $(NOTEBOOKS)
 variant-one-thread:
-	CPU_NUM_DEVICES=8 LLAMA_XLA_OUTPUTS=$(CURDIR)/outputs/one-thread taskset -c 0 $(NBVAL) $(NOTEBOOKS)
+	$(TIMED) $(call notebook_env,outputs/one-thread) taskset -c 0 $(NBVAL) $(NOTEBOOKS)
 $(VARIANT_NOTEBOOKS): variant-notebooks-%:
-	$(call run_at,$*)
+	$(call execute_all,outputs/devices-$*,CPU_NUM_DEVICES=$*)
 $(VARIANT_DEVICES): variant-devices-%:
-	CPU_NUM_DEVICES=$* $(PY) -m pytest -q -m devices tests/
+	$(TIMED) CPU_NUM_DEVICES=$* $(PY) -m pytest -q -m devices tests/
+variant-bf16-notebooks:
+	$(call execute_all,outputs/bf16,LLAMA_XLA_DEFAULT_DTYPE=bf16)
+variant-bf16-tests-a:
+	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_A)
+variant-bf16-tests-b:
+	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_B)
 
+# One line per notebook (its seconds and the figures it wrote); the kernels' messages (Jupyter's
+# notices, XLA's C++ warnings) go to outputs/tour.log, whose tail is printed if a notebook fails.
+TOUR_LOG := outputs/tour.log
 tour: .venv/installed
-	mkdir -p outputs/figures
-	for nb in $(NOTEBOOKS); do echo "$$nb"; \
-		LLAMA_XLA_FIGURES=$(CURDIR)/outputs/figures $(EXECUTE) --log-level=ERROR --output-dir outputs $$nb || exit 1; done
-	@echo "executed notebooks: $(CURDIR)/outputs/*.ipynb"
-	@echo "figures:            $(CURDIR)/outputs/figures/*.png"
+	@mkdir -p outputs/figures && : > $(TOUR_LOG)
+	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/ (about 20 minutes on a 2-core CPU)"
+	@for nb in $(NOTEBOOKS); do start=$$(date +%s); touch outputs/.tour-start; echo "=== $$nb" >> $(TOUR_LOG); \
+		$(call notebook_env,outputs) $(EXECUTE) --log-level=ERROR --output-dir outputs $$nb >> $(TOUR_LOG) 2>&1 || \
+			{ tail -n 25 $(TOUR_LOG); echo "$$nb failed; the whole log: $(CURDIR)/$(TOUR_LOG)"; exit 1; }; \
+		figures=$$(find outputs/figures -name '*.png' -newer outputs/.tour-start -printf '%f\n' | sort | tr '\n' ' '); \
+		printf '%-36s %4d s  %s\n' "$$nb" $$(($$(date +%s) - start)) "$${figures:-(no figures)}"; done
+	@echo "Executed notebooks: $(CURDIR)/outputs/*.ipynb; figures: $(CURDIR)/outputs/figures/"
+	@echo "Kernel and XLA messages: $(CURDIR)/$(TOUR_LOG)"
 
 # For authors: re-execute the committed notebooks in place (outputs are what nbval compares), at 8 devices.
 notebooks: .venv/installed
-	for nb in $(NOTEBOOKS); do echo "$$nb"; CPU_NUM_DEVICES=8 $(EXECUTE) --log-level=ERROR --inplace $$nb || exit 1; done
+	for nb in $(NOTEBOOKS); do echo "$$nb"; $(call notebook_env,outputs) $(EXECUTE) --log-level=ERROR --inplace $$nb || exit 1; done
 
 clean:
 	rm -rf outputs

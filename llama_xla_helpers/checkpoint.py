@@ -518,9 +518,20 @@ def load(path, model, optimizer=None, verified=False):
         reader = _SafeFsspecReader(path) if _is_url(path) else _SafeFileSystemReader(path)
         reader.read_metadata()  # here, as dcp.load would swallow its error and fail later, less clearly
         dcp.load(state, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=_no_dist())
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])  # param_groups (lr, ...); state tensors stay the same objects
+    if optimizer is not None:  # DCP filled the state tensors in place, in their own dtype; now the hyperparameters
+        load_param_groups(optimizer, state["optimizer"]["param_groups"])
     return meta
+
+
+def load_param_groups(optimizer, saved):
+    """Set each param group's hyperparameters (lr, ...) to `saved`'s. Not `optimizer.load_state_dict`:
+    it casts every state tensor to its parameter's dtype, which would turn a bf16 model's fp32
+    optimizer state (second moments, master weights) into bf16."""
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} param groups, this one "
+                         f"{len(optimizer.param_groups)}; build the optimizer as the saved run did")
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
 
 
 def export_hf(model, out_dir):

@@ -30,7 +30,7 @@ from .mesh import make_mesh, mesh_shape
 from .metrics import HBM_BANDWIDTH, PEAK_FLOPS
 from .model import Llama
 from .parallel import replicate_kv_heads, shard_for_inference
-from .runtime import (accelerator_type, check_cache_dir, chip, compile_cache_counters, compile_cache_dir,
+from .runtime import (accelerator_type, check_cache_dir, chip, compile_cache_counters, compile_cache_dir, default_dtype,
                       compile_cache_summary, init_runtime, tpu_chips_present)
 from .sharding import to_sharded
 from .train import DTYPES, TrainConfig, train
@@ -88,8 +88,8 @@ def plural(n, noun):
 
 
 def dtype_name(args):
-    """--dtype, else bf16 on a TPU and fp32 on a CPU (train's default too)."""
-    return args.dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
+    """--dtype, else `runtime.default_dtype()` (train's default too)."""
+    return args.dtype or default_dtype()
 
 
 def tiny_llama(max_batch_size, max_seq_len, dtype=None):
@@ -277,7 +277,7 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-devices", type=positive_int,
                         help="virtual XLA devices on a CPU (default: CPU_NUM_DEVICES, else 8)")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
-                        help="parameters of the training and generation checks (default: bf16 on a TPU, fp32 on a CPU)")
+                        help="parameters of the training and generation checks (default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
     add_compile_cache_args(parser)
     args = parser.parse_args(argv)
     if args.compile_cache:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 DEFAULT_CPU_DEVICES = 8
 COMPILE_CACHE_VAR = "LLAMA_XLA_COMPILE_CACHE"  # the default of init_runtime's cache_dir
+DTYPE_VAR = "LLAMA_XLA_DEFAULT_DTYPE"  # "fp32" | "bf16": what default_dtype() returns on any device
 # The TPU type as a TPU VM names it (ACCELERATOR_TYPE=v5litepod-8) or GKE does
 # (TPU_ACCELERATOR_TYPE=tpu-v5-lite-podslice): prefix -> metrics.PEAK_FLOPS key, first match wins.
 CHIP_PREFIXES = (("v5litepod", "tpu-v5e"), ("v5-lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
@@ -106,7 +107,7 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
                "libtpu is missing; pip install 'torch_xla[tpu]==2.9.0'")
         raise RuntimeError(f"this machine has TPU chips but the XLA runtime chose {kind}: {why}, then restart "
                            f"the process. (A chip held by another process also fails: check `tpu-info`.)")
-    want = int(cpu_devices or os.environ.get("CPU_NUM_DEVICES") or DEFAULT_CPU_DEVICES)
+    want = cpu_device_count(cpu_devices)
     if kind == "CPU" and not started:
         os.environ["CPU_NUM_DEVICES"] = str(want)
     if not xr.is_spmd():
@@ -122,6 +123,30 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
     if not started and info.process_index == 0:
         print(info)
     return info
+
+
+def cpu_device_count(cpu_devices=None):
+    """The number of CPU devices `init_runtime(cpu_devices)` starts: the argument, else the
+    CPU_NUM_DEVICES variable, else 8. A child process that must compile the same programs as this
+    one (a compile cache's key includes the device count) gets CPU_NUM_DEVICES=<this> explicitly."""
+    return int(cpu_devices or os.environ.get("CPU_NUM_DEVICES") or DEFAULT_CPU_DEVICES)
+
+
+def default_dtype():
+    """"bf16" or "fp32": the dtype train, serve, the doctor and notebooks 03-06 use unless told.
+
+    LLAMA_XLA_DEFAULT_DTYPE=bf16 (or fp32) sets it on any device, so a CPU runs what a TPU runs by
+    default; unset, it is bf16 on a TPU and fp32 elsewhere. An explicit --dtype / dtype= wins.
+    """
+    import torch_xla.runtime as xr
+
+    value = os.environ.get(DTYPE_VAR)
+    if value is None or value == "":
+        return "bf16" if xr.device_type() == "TPU" else "fp32"
+    if value not in ("bf16", "fp32"):
+        raise ValueError(f"{DTYPE_VAR}={value!r} is not a dtype this package trains or serves in; set it to "
+                         f"bf16 or fp32, or unset it (bf16 on a TPU, fp32 elsewhere)")
+    return value
 
 
 def check_cache_dir(cache_dir, readonly=False):

@@ -82,7 +82,7 @@ from .mesh import make_mesh, mesh_shape
 from .model import Llama, ModelArgs
 from .parallel import check_tensor_parallel, replicate_kv_heads, shard_for_inference
 from .quantize import quantize as quantize_model
-from .runtime import init_runtime
+from .runtime import default_dtype, init_runtime
 from .train import DTYPES, TrainConfig, build_model, mesh_arg, model_config
 
 MAX_SEQ_LEN = 2048  # the default cache length: max_position_embeddings, capped here
@@ -185,7 +185,7 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     config's max_position_embeddings capped at 2048; mesh: (data, model) devices (default:
     `mesh_shape_for`; on a CPU it sets the number of virtual devices, as train's --mesh does);
     buckets: those of 128, 256, 384, 512 up to half the cache; dtype: "bf16" or "fp32" (default:
-    bf16 on a TPU, fp32 on a CPU); quantize: None, "int8" or "int4" (weight-only, `quantize.quantize`).
+    `runtime.default_dtype()`: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU); quantize: None, "int8" or "int4" (weight-only, `quantize.quantize`).
     """
     config, step = read_config(path)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, MAX_SEQ_LEN)
@@ -197,7 +197,7 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     slots = slots or shape[0] * -(-4 // shape[0])  # 4, or the next multiple of 'data'
     args = ModelArgs.from_hf_config(config, slots, max_seq_len)
     mesh, factor = serving_mesh(args, shape)
-    dtype = dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
+    dtype = dtype or default_dtype()
     model = read_weights(path, step, config, args).to(DTYPES[dtype])
     if factor > 1:
         model = replicate_kv_heads(model, factor)
@@ -547,7 +547,7 @@ def parse_args(argv=None):
                                                          f"{','.join(map(str, BUCKETS))}, those up to half the cache)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: any free port")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on a TPU, fp32 on a CPU")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization")
     add_compile_cache_args(parser)
     parser.add_argument("--debug", action="store_true", help="tracebacks of input errors, uvicorn's request log")

@@ -41,7 +41,7 @@ from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_by
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
 from .cli import ArgumentParser, int_list, user_errors
-from .runtime import chip, compile_cache_counters, compile_cache_summary, init_runtime
+from .runtime import chip, compile_cache_counters, compile_cache_summary, default_dtype, init_runtime
 from .sharding import STRATEGIES, shard_activations, shard_params, shard_shape, sharded_loader
 
 
@@ -50,7 +50,7 @@ class TrainConfig:
     model: str = "tiny"               # a name from configs.get_config
     mesh: tuple = None                # (data, model) devices per slice; None: mesh.mesh_shape's pick
     slices: int = 1                   # multi-slice pod: slices joined over the DCN, on the batch axis
-    dtype: str = None                 # "bf16" or "fp32" parameters; None: bf16 on a TPU, fp32 on a CPU
+    dtype: str = None                 # "bf16" or "fp32" parameters; None: runtime.default_dtype()
     strategy: str = "2d"              # "2d" (Tables 1 and 2 of the post) or "fsdp"
     steps: int = 300                  # total optimizer steps (a resumed run stops here too)
     batch_size: int = 16              # global batch, split over 'data'
@@ -81,11 +81,20 @@ class Adafactor(torch.optim.Optimizer):
     a new graph every step. Here every such value is a device tensor, so the step compiles
     once. State is created inside the first step, so its sharding is propagated from the
     parameters (the post's reason for two graphs: the first step, then every other step).
+
+    Mixed precision (master_weights, on by default): a parameter that is not fp32 (bf16) gets an
+    fp32 copy in its state, `state["master"]`. The update is applied to that copy, and the
+    parameter is its rounding: bf16 keeps 8 bits of mantissa, so an update smaller than about
+    2^-9 (0.2%) of a weight, which fine-tuning learning rates make most of them, would round back
+    to the old value and be lost; the fp32 copy adds them up until they show. The forward and
+    backward still run in bf16 (bf16 matmuls); the copy costs 4 bytes per parameter, saved and
+    restored with the optimizer state. master_weights=False updates bf16 parameters directly.
     """
 
-    def __init__(self, params, lr=1e-2, eps=(1e-30, 1e-3), clip=1.0, decay_rate=-0.8, scale_parameter=True):
+    def __init__(self, params, lr=1e-2, eps=(1e-30, 1e-3), clip=1.0, decay_rate=-0.8, scale_parameter=True,
+                 master_weights=True):
         super().__init__(params, dict(lr=lr, eps=eps, clip=clip, decay_rate=decay_rate,
-                                      scale_parameter=scale_parameter))
+                                      scale_parameter=scale_parameter, master_weights=master_weights))
 
     @staticmethod
     def _rms(t):
@@ -106,6 +115,8 @@ class Adafactor(torch.optim.Optimizer):
                         state["col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], device=p.device)
                     else:
                         state["sq"] = torch.zeros_like(p, dtype=torch.float32)
+                    if group["master_weights"] and p.dtype != torch.float32:
+                        state["master"] = p.float()  # (same shape and sharding as p), fp32
                 state["step"] += 1
                 weight = state["step"] ** group["decay_rate"]  # 1 - beta2_t, a tensor
                 sq = g * g + eps1
@@ -118,8 +129,11 @@ class Adafactor(torch.optim.Optimizer):
                     v = state["sq"].lerp_(sq, weight)
                 update = g * v.rsqrt()
                 update = update / (self._rms(update) / group["clip"]).clamp(min=1.0)
-                lr = group["lr"] * (self._rms(p.float()).clamp(min=eps2) if group["scale_parameter"] else 1.0)
-                p.sub_((lr * update).to(p.dtype))
+                w = state.get("master", p)  # the weight the update goes to: fp32 master, or p itself
+                lr = group["lr"] * (self._rms(w.float()).clamp(min=eps2) if group["scale_parameter"] else 1.0)
+                w.sub_((lr * update).to(w.dtype))
+                if w is not p:
+                    p.copy_(w)  # rounded to p's dtype
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -226,6 +240,8 @@ def check_config(cfg):
         raise ValueError(f"strategy={cfg.strategy!r} is not one of {', '.join(STRATEGIES)}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.dtype is None:
+        default_dtype()  # a bad LLAMA_XLA_DEFAULT_DTYPE is an error here, before any work
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("resume=True needs checkpoint_dir, the folder to resume from")
 
@@ -255,7 +271,7 @@ def setup(cfg):
     if cfg.scan_layers:
         check_scan_extra()
     shape = tuple(cfg.mesh) if cfg.mesh else mesh_shape(xr.global_runtime_device_count() // slices, config)
-    dtype = cfg.dtype or ("bf16" if xr.device_type() == "TPU" else "fp32")
+    dtype = cfg.dtype or default_dtype()
     if slices == 1:
         mesh = make_mesh(shape)
     else:  # the batch crosses slices over the DCN; weights stay sharded inside each slice

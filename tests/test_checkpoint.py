@@ -16,6 +16,7 @@ from llama_xla_helpers.checkpoint import checkpoints, export_hf, init_optimizer_
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.sharding import shard_activations, shard_params
+from llama_xla_helpers.train import Adafactor
 
 spec = torch_xla._XLAC._get_xla_sharding_spec
 
@@ -88,6 +89,29 @@ def test_round_trip_restores_model_and_adafactor_state(mesh, tmp_path):
     # sharding of tensors created inside a step), so the update's float sums may differ in order.
     for name, t in on_cpu(tensors(fresh, fresh_opt)).items():
         torch.testing.assert_close(t, tensors(model, opt)[name].detach().cpu(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_load_keeps_the_fp32_optimizer_state_of_bf16_parameters(mesh, tmp_path):
+    """torch's Optimizer.load_state_dict casts state to the parameter's dtype: loading must not."""
+    def bf16_model(seed):
+        model = hf_model(get_config("tiny", num_hidden_layers=2), seed).to(torch.bfloat16)
+        shard_params(model, mesh, "2d")
+        return model
+
+    model = bf16_model(0)
+    opt = Adafactor(model.parameters(), lr=1e-2)  # fp32 factors and fp32 master weights
+    for seed in (1, 2):
+        train_step(model, opt, seed)
+    save(tmp_path, 2, model, opt)
+    saved = on_cpu(tensors(model, opt))
+    state = {name.rsplit(".", 1)[1]: t.dtype for name, t in saved.items() if name.startswith("state.")}
+    assert state["row"] == state["master"] == torch.float32
+
+    fresh = bf16_model(1)
+    fresh_opt = init_optimizer_state(Adafactor(fresh.parameters(), lr=1e-2))
+    load(tmp_path, fresh, fresh_opt)
+    for name, t in on_cpu(tensors(fresh, fresh_opt)).items():
+        assert t.dtype == saved[name].dtype and torch.equal(t, saved[name]), name
 
 
 def test_load_into_another_config_names_the_tensor_and_changes_nothing(mesh, tmp_path):

@@ -62,6 +62,15 @@ def test_bad_argument_is_one_error_line(args, message, capsys):
     assert one_error_line(code, err, message), (code, err[-2000:])
 
 
+def test_a_bad_default_dtype_variable_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_XLA_DEFAULT_DTYPE", "half")
+    code, _, err = cli(main, QUICK, capsys)
+    assert one_error_line(code, err, "LLAMA_XLA_DEFAULT_DTYPE='half'"), (code, err[-2000:])
+    monkeypatch.setenv("LLAMA_XLA_DEFAULT_DTYPE", "bf16")
+    code, _, err = cli(main, QUICK + ["--dtype", "fp16"], capsys)  # an explicit --dtype is checked first
+    assert one_error_line(code, err, "dtype='fp16' is not one of fp32, bf16"), (code, err[-2000:])
+
+
 @pytest.mark.child_process
 def test_a_real_process_exits_2_with_one_error_line():
     out = subprocess.run(TRAIN + ["--seq-len", "0"], capture_output=True, text=True, timeout=300, env=ENV)

@@ -36,6 +36,23 @@ def test_runtime_refuses_another_device_count():
         init_runtime(N + 1)
 
 
+@pytest.mark.parametrize("device, variable, expected", [
+    ("CPU", None, "fp32"), ("TPU", None, "bf16"), ("CPU", "bf16", "bf16"), ("TPU", "fp32", "fp32"), ("CPU", "", "fp32")])
+def test_default_dtype_is_the_devices_unless_the_variable_says(monkeypatch, device, variable, expected):
+    monkeypatch.setattr(xr, "device_type", lambda: device)
+    if variable is None:
+        monkeypatch.delenv("LLAMA_XLA_DEFAULT_DTYPE", raising=False)
+    else:
+        monkeypatch.setenv("LLAMA_XLA_DEFAULT_DTYPE", variable)
+    assert runtime.default_dtype() == expected
+
+
+def test_a_bad_default_dtype_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv("LLAMA_XLA_DEFAULT_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="LLAMA_XLA_DEFAULT_DTYPE='fp16' .* set it to bf16 or fp32, or unset it"):
+        runtime.default_dtype()
+
+
 @pytest.mark.parametrize("accelerator, expected", [
     ("v4-8", "tpu-v4"), ("v4-16", "tpu-v4"), ("v5litepod-8", "tpu-v5e"), ("v5litepod-4", "tpu-v5e"),
     ("v5p-8", "tpu-v5p"), ("v6e-4", "tpu-v6e"), ("v6e-8", "tpu-v6e"), ("v3-8", None)])

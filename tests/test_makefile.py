@@ -1,0 +1,95 @@
+"""The Makefile: make test runs the notebooks as make tour (and a reader in plain Jupyter) runs them,
+the TPU plan, and the choice of interpreter for .venv.
+
+`make -n` prints the commands a target would run without running them; each command that executes
+notebooks (nbconvert or nbval) is read for the variables it sets in front of the interpreter.
+"""
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_n(*args, cwd=ROOT, env=None):
+    """What `make -n args` would run (line continuations joined), as a CompletedProcess."""
+    out = subprocess.run([shutil.which("make"), "-n", "--no-print-directory", "-f", str(ROOT / "Makefile"), *args], cwd=cwd,
+                         capture_output=True, text=True, timeout=60, env=env)
+    out.stdout = out.stdout.replace("\\\n", " ")
+    return out
+
+
+def notebook_runs(*args):
+    """[(command kind, {variables set})] for each notebook run `make -n args` prints."""
+    out = make_n(*args)
+    assert out.returncode == 0, out.stderr
+    runs = []
+    for line in out.stdout.splitlines():
+        for command in re.split(r";|&&|\|\||\bdo\b", line):
+            kind = "nbval" if "--nbval" in command else "nbconvert" if "nbconvert" in command else None
+            if kind:
+                head = command.split(".venv/bin/python")[0]
+                runs.append((kind, frozenset(re.findall(r"\b([A-Z][A-Z0-9_]*)=", head))))
+    return runs
+
+
+def test_make_test_runs_the_notebooks_with_the_tours_variables():
+    tour = notebook_runs("tour", "TPU=")
+    assert tour and {kind for kind, _ in tour} == {"nbconvert"}
+    [tour_vars] = {names for _, names in tour}
+    test = notebook_runs("test", "TPU=")
+    assert {kind for kind, _ in test} == {"nbval", "nbconvert"}, test
+    for kind, names in test:
+        if kind == "nbval":  # compares the committed outputs: exactly the tour's variables
+            assert names == tour_vars, f"nbval sets {sorted(names)}, the tour {sorted(tour_vars)}"
+        else:  # a run at another device count (asserts only) adds the count and nothing else
+            assert names - {"CPU_NUM_DEVICES"} == tour_vars, f"{sorted(names)} vs the tour's {sorted(tour_vars)}"
+
+
+def test_the_tpu_plan_runs_one_part_at_a_time_and_compares_no_cpu_outputs():
+    [(_, tour_vars)] = set(notebook_runs("tour", "TPU="))
+    runs = notebook_runs("test", "TPU=1")
+    assert runs and {kind for kind, _ in runs} == {"nbconvert"} and {names for _, names in runs} == {tour_vars}
+    plan = make_n("test", "TPU=1").stdout
+    assert "-j" not in plan.split("\n")[0] and "test-pytest-a test-pytest-b test-tpu" in plan
+    assert "-m pytest -q tests/test_" in plan  # the tests run too (child-process tests skip on a TPU)
+    assert "install -e '.[dev,scan,tpu]'" in make_n("-B", ".venv/installed", "TPU=1").stdout
+    assert "install -e '.[dev,scan]'" in make_n("-B", ".venv/installed", "TPU=").stdout
+
+
+STUBS = {  # what each stub interpreter does when make runs its version check
+    "ok": "#!/bin/sh\nexit 0\n",                                                      # 3.11 or newer
+    "old": "#!/bin/sh\nexit 1\n",                                                     # 3.10: the check fails
+    "shim": "#!/bin/sh\necho 'pyenv: python3.13: command not found' >&2\nexit 127\n",  # exists, does not run
+}
+
+
+@pytest.mark.parametrize("interpreters, override, chosen", [
+    ({"python3": "ok", "python3.11": "ok"}, None, "python3"),
+    ({"python3": "old", "python3.13": "shim", "python3.11": "ok"}, None, "python3.11"),
+    ({"python3": "old", "python3.12": "ok", "python3.11": "ok"}, None, "python3.12"),
+    ({"python3": "old"}, "/opt/python/bin/python3.12", "/opt/python/bin/python3.12"),
+    ({"python3": "old", "python3.13": "shim"}, None, None),
+])
+def test_the_venv_is_made_with_the_first_python_that_runs_and_is_at_least_3_11(tmp_path, interpreters, override,
+                                                                                   chosen):
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    (work / "pyproject.toml").touch()
+    for name, kind in interpreters.items():
+        (bin_dir / name).write_text(STUBS[kind])
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": str(bin_dir)}  # make and sh are run by their full paths
+    out = make_n(".venv/installed", *([f"PYTHON={override}"] if override else []), cwd=work, env=env)
+    if chosen:
+        assert out.returncode == 0 and out.stdout.splitlines()[0] == f"{chosen} -m venv .venv", out
+    else:
+        errors = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and len(errors) == 1, out.stderr
+        assert "no Python 3.11 or newer here" in errors[0] and "sudo apt-get install -y python3.11 python3.11-venv" \
+            in errors[0] and "conda env create -f environment.yml" in errors[0]
