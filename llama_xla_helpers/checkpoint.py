@@ -35,6 +35,7 @@ import shutil
 import signal
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec
@@ -58,6 +59,7 @@ SHARED = ("checkpoint_dir must be one folder that every host sees: put it on a s
           "(NFS, Filestore) or use a gs:// URL")
 VISIBLE_WAIT = 30  # seconds a host keeps looking for a checkpoint just saved (NFS may show new files late)
 CRASH_IN_SAVE = "LLAMA_XLA_CRASH_IN_SAVE"  # test hook: a step whose save kills the process halfway
+THREADS = 4  # files each host writes (DCP's thread_count) and hashes at once
 
 
 class _SavePlanner(SPMDSavePlanner):
@@ -81,10 +83,17 @@ def _no_dist():
     """DCP's no_dist: one process needs no process group; a pod's hosts share a gloo group."""
     if xr.process_count() == 1:
         return True
+    host_group()
+    return False
+
+
+def host_group():
+    """The gloo process group of a pod's hosts (the default group, started once with torch_xla's
+    "xla://" rendezvous): the checkpoints' barriers and gathers, and train's stop agreement."""
     if not dist.is_initialized():
         import torch_xla.distributed.xla_backend  # noqa: F401  registers init_method="xla://"
         dist.init_process_group("gloo", init_method="xla://")
-    return False
+    return dist.group.WORLD
 
 
 def _barrier(no_dist):
@@ -168,14 +177,20 @@ def _exists(path):
     return fs.exists(inner)
 
 
-def _file_sums(path):
-    """{file name: {"size", "sha256"}} of every file in the checkpoint folder but meta.json."""
+def _file_sums(path, mine):
+    """{file name: {"size", "sha256"}} of the files in the checkpoint folder for which `mine(name)`
+    is true, hashed THREADS at a time (hashlib lets go of the GIL on large reads)."""
     fs, inner = _fs(path)
-    sums = {}
-    for file in sorted(fs.ls(inner, detail=False)):
-        if _name(file) != META:
-            sums[_name(file)] = dict(size=fs.size(file), sha256=_sha256(fs, file))
-    return sums
+    files = [f for f in sorted(fs.ls(inner, detail=False)) if _name(f) != META and mine(_name(f))]
+    with ThreadPoolExecutor(THREADS) as pool:
+        sums = pool.map(lambda f: dict(size=fs.size(f), sha256=_sha256(fs, f)), files)
+    return dict(zip(map(_name, files), sums))
+
+
+def _own_files(rank, lead):
+    """Which files of a checkpoint a host wrote: DCP names a host's shards __<rank>_<i>.distcp, and
+    the coordinator (host 0) writes .metadata."""
+    return lambda name: name.startswith(f"__{rank}_") or (lead and not name.startswith("__"))
 
 
 def _sha256(fs, file):
@@ -358,16 +373,20 @@ def _write(state, meta, tmp, final, no_dist, lead):
     # per_thread_copy_ahead=0: DCP's serial loader (the shards are already on the host). Its copy-ahead
     # loader is for an accelerator's streams: with torchax imported (the `scan` extra; mark_sharding
     # imports it) DCP takes torchax's device module for one and fails ("no attribute 'current_stream'").
-    writer = (FsspecWriter(tmp, sync_files=False, per_thread_copy_ahead=0) if url else
-              dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0))
+    writer = (FsspecWriter(tmp, sync_files=False, per_thread_copy_ahead=0, thread_count=THREADS) if url else
+              dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0, thread_count=THREADS))
     with _quiet():
         dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=no_dist)
     _barrier(no_dist)  # every host's shards are written
     if os.environ.get(CRASH_IN_SAVE) == str(meta["step"]):
         os.kill(os.getpid(), signal.SIGKILL)  # test hook: die with the shards written, meta.json not
+    # Each host hashes what it wrote, at once, and host 0 gathers the sums (one host reading the whole
+    # checkpoint back would keep the pod waiting for minutes at 70B, past a spot VM's 30 s notice).
+    sums = _file_sums(tmp, _own_files(0 if no_dist else dist.get_rank(), lead))
+    sums = {name: entry for host_sums in _gather(sums) for name, entry in host_sums.items()}
     if not lead:
         return
-    meta = dict(meta, files=_file_sums(tmp))
+    meta = dict(meta, files=sums)
     if url:
         with fsspec.open(_child(final, META), "w") as f:  # last: the checkpoint is complete
             json.dump(meta, f, indent=1)

@@ -66,7 +66,13 @@ class StepSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         per_epoch = self.n // self.batch_size  # drop_last: every batch is full
+        epoch_drawn, order = None, None
         for step in range(self.start, self.start + self.steps):
             epoch, i = divmod(step, per_epoch)
-            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+            if epoch != epoch_drawn:  # one permutation per epoch, not per step
+                epoch_drawn, order = epoch, self.order(epoch)
             yield from order[i * self.batch_size:(i + 1) * self.batch_size].tolist()
+
+    def order(self, epoch):
+        """The shuffled indices of `epoch`: a function of (seed, epoch) alone."""
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))

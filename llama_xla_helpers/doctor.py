@@ -3,16 +3,20 @@
     python -m llama_xla_helpers.doctor                   # a TPU VM (on a pod: every host at once)
     python -m llama_xla_helpers.doctor --cpu-devices 4   # a CPU: 4 virtual devices stand in
     python -m llama_xla_helpers.doctor --compile-cache DIR   # twice: the second run should load, not compile
+    python -m llama_xla_helpers.doctor --checkpoint-dir gs://bucket/ckpt   # can this host write there?
 
 One line per check, PASS or FAIL with a fix; exit status 1 if any check fails (2: a bad argument).
-On this 2-core CPU the whole run takes under a minute.
+On a pod only process 0 prints. On this 2-core CPU the whole run takes under a minute.
 """
 import argparse
 import contextlib
+import importlib.metadata
 import io
 import logging
+import os
 import sys
 import time
+import uuid
 
 import torch
 import torch_xla
@@ -30,8 +34,9 @@ from .mesh import make_mesh, mesh_shape
 from .metrics import HBM_BANDWIDTH, PEAK_FLOPS
 from .model import Llama
 from .parallel import replicate_kv_heads, shard_for_inference
-from .runtime import (accelerator_type, check_cache_dir, chip, compile_cache_counters, compile_cache_dir, default_dtype,
-                      compile_cache_summary, init_runtime, tpu_chips_present)
+from .runtime import (COMPILE_CACHE_VAR, accelerator_type, cache_skip_reason, check_cache_dir, chip,
+                      compile_cache_counters, compile_cache_dir, compile_cache_summary, default_dtype, init_runtime,
+                      tpu_chips_present, tpu_hosts)
 from .sharding import to_sharded
 from .train import DTYPES, TrainConfig, train
 
@@ -43,18 +48,20 @@ class CheckFailed(Exception):
     """A check ran and found something wrong (the message says what)."""
 
 
-def run_checks(checks, args):
-    """Run each (name, check, fix): print `PASS name: <what check(args) returns>` or
-    `FAIL name: <error>; fix: <fix>`. Returns the exit status: 1 if any failed, else 0."""
+def run_checks(checks, args, lines=None):
+    """Run each (name, check, fix): `PASS name: <what check(args) returns>` or `FAIL name: <error>;
+    fix: <fix>`, printed, or appended to `lines` when given. Returns the exit status: 1 if any failed."""
     status = 0
     for name, check, fix in checks:
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # one line per check: what the package prints is dropped
-                detail = check(args)
-            print(f"PASS {name}: {detail}", flush=True)
+                line = f"PASS {name}: {check(args)}"
         except Exception as e:
-            print(f"FAIL {name}: {one_line(e)}; fix: {fix}", flush=True)
-            status = 1
+            line, status = f"FAIL {name}: {one_line(e)}; fix: {fix}", 1
+        if lines is None:
+            print(line, flush=True)
+        else:
+            lines.append(line)
     return status
 
 
@@ -106,6 +113,70 @@ def prompts(lengths):
 
 
 # --- The checks: each returns what passed, or raises ------------------------------------------
+
+VERSIONS = ("torch", "torch_xla", "libtpu", "transformers", "jax", "torchax")
+
+
+def versions():
+    """{package: version or None}: Python's, then each of VERSIONS as pip installed it."""
+    found = {"python": sys.version.split()[0]}
+    for name in VERSIONS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def check_versions(args, found=None):
+    """The versions that matter, and torch and torch_xla of one release (torch_xla is built for one)."""
+    found = found or versions()
+    line = ", ".join(f"{name} {version or 'none'}" for name, version in found.items())
+    torch_release, xla_release = (str(found[k]).split("+")[0] for k in ("torch", "torch_xla"))
+    if torch_release != xla_release:
+        raise CheckFailed(f"{line}: torch {torch_release} with torch_xla {xla_release}, which is built for "
+                          f"torch {xla_release}")
+    return line
+
+
+# Flags that let XLA overlap collectives with compute on a TPU, as the public PyTorch/XLA training recipes
+# set them in LIBTPU_INIT_ARGS (GoogleCloudPlatform's reproducibility recipes: Training/TPU-v5p/
+# Mixtral-8x7B-PyTorch/env.sh for v5p, Training/TPU-Trillium/Llama3-70B-PyTorch/env.sh for v6e). No
+# recipe there covers v4 or v5e with PyTorch; the same flags are libtpu's, untested on those here.
+OVERLAP_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
+                 "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+                 "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+                 "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+RECIPES = {"tpu-v5p": "the v5p Mixtral-8x7B recipe", "tpu-v6e": "the Trillium Llama 3 70B recipe"}
+
+
+def check_libtpu_flags(args):
+    """LIBTPU_INIT_ARGS in effect, and what the recipes set for this TPU to overlap collectives."""
+    now = f"LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS')!r}" if "LIBTPU_INIT_ARGS" in os.environ else \
+        "LIBTPU_INIT_ARGS unset"
+    if xr.device_type() != "TPU":
+        return f"{now} (libtpu reads it; this is not a TPU)"
+    tpu = chip()
+    source = RECIPES.get(tpu, f"no public PyTorch recipe for {tpu or 'this TPU'}; the recipes' flags")
+    return f"{now}; to overlap collectives with compute ({source}): LIBTPU_INIT_ARGS='{OVERLAP_FLAGS}'"
+
+
+def check_checkpoint_dir(args):
+    """The checkpoint folder: this host can create and delete a file there; gs:// needs gcsfs."""
+    import fsspec
+
+    url = args.checkpoint_dir
+    if url.startswith("gs://"):
+        try:
+            import gcsfs  # noqa: F401
+        except ImportError:
+            raise CheckFailed(f"{url} is a Google Cloud Storage URL and gcsfs is not installed") from None
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(path, exist_ok=True)
+    probe = f"{path.rstrip('/')}/.doctor-{uuid.uuid4().hex}"
+    fs.pipe_file(probe, b"ok")
+    fs.rm_file(probe)
+    return f"{url}: this host can write there (on a pod, every host must see the same folder)"
 
 def check_runtime(args):
     info = init_runtime(args.cpu_devices, cache_dir=args.compile_cache, cache_readonly=args.compile_cache_readonly)
@@ -228,7 +299,10 @@ def check_fallbacks(args):
 
 def check_compile_cache(args):
     """What the persistent cache did in the checks above. Run twice with the same folder: the second
-    run should load every program. A CPU finds them but cannot load them; a TPU that cannot fails."""
+    run should load every program. A CPU finds them but cannot load them; a TPU that cannot fails.
+    On a TPU with torch_xla 2.9.0 init_runtime skipped the cache (runtime.cache_skip_reason)."""
+    if compile_cache_dir() is None:
+        return cache_skip_reason(xr.device_type(), torch_xla.__version__)
     counters = compile_cache_counters()
     summary = f"{compile_cache_dir()}: {compile_cache_summary(counters)}"
     if counters["PersistentCacheDeserializeFailure"] and xr.device_type() == "TPU":
@@ -236,6 +310,9 @@ def check_compile_cache(args):
     return summary
 
 
+VERSIONS_CHECK = (
+    "versions", check_versions,
+    "pip install torch==2.9.0 'torch_xla[tpu]==2.9.0' (torch_xla works only with the torch it was built for)")
 CHECKS = (  # (name, check(args) -> what passed, the fix to print when it fails)
     ("runtime", check_runtime,
      "on a TPU VM: pip install -e '.[tpu]' (libtpu), unset PJRT_DEVICE, stop any process that holds the "
@@ -255,7 +332,11 @@ CHECKS = (  # (name, check(args) -> what passed, the fix to print when it fails)
     ("no CPU fallback", check_fallbacks,
      "each op copies tensors to the host and back and splits the graph: replace it, or move it out of "
      "the step (torch_xla.debug.metrics.metrics_report() counts them)"),
+    ("libtpu flags", check_libtpu_flags, "-"),
 )
+CHECKPOINT_CHECK = (  # with --checkpoint-dir
+    "checkpoint dir", check_checkpoint_dir,
+    "pass a folder every host can write (NFS, Filestore, a gs:// bucket with pip install -e '.[gcs]')")
 COMPILE_CACHE_CHECK = (  # after CHECKS, when init_runtime set up a cache (--compile-cache, $LLAMA_XLA_COMPILE_CACHE)
     "compile cache", check_compile_cache,
     "this torch_xla and libtpu cannot load what they wrote (pytorch/xla issue 9094): run without a cache, or "
@@ -279,6 +360,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="parameters of the training and generation checks (default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
     add_compile_cache_args(parser)
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="check that this host can write checkpoints there")
     args = parser.parse_args(argv)
     if args.compile_cache:
         try:
@@ -291,12 +373,39 @@ def parse_args(argv=None):
     return args
 
 
+def multi_host_note():
+    """On one host of a multi-host slice, the line to print before the runtime starts (it waits for
+    every host there, forever if they do not all run it); None elsewhere. Known from the TPU type."""
+    if not tpu_chips_present():
+        return None
+    accelerator = accelerator_type()
+    hosts = tpu_hosts(accelerator)
+    if not hosts or hosts < 2:
+        return None
+    return (f"{accelerator} has {hosts} hosts: the TPU runtime starts only once the doctor runs on every one of "
+            f"them, so run it on all at once (gcloud compute tpus tpu-vm ssh NAME --worker=all --command "
+            f"'... python -m llama_xla_helpers.doctor'); on this host alone it waits forever")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    # The other checks need the runtime: if it does not start, they would only repeat its error.
-    if run_checks(CHECKS[:1], args):
+    note = multi_host_note()
+    if note:
+        print(note, flush=True)
+    lines = []  # printed once the runtime says which process this is: on a pod, process 0 prints
+    status = run_checks((VERSIONS_CHECK,) + CHECKS[:1], args, lines)
+    lead = not torch_xla._XLAC._xla_runtime_is_initialized() or xr.process_index() == 0
+    if lead:
+        print(*lines, sep="\n", flush=True)
+    if status and lines[-1].startswith("FAIL"):  # the other checks need the runtime: they would repeat its error
         return 1
-    return run_checks(CHECKS[1:] + ((COMPILE_CACHE_CHECK,) if compile_cache_dir() else ()), args)
+    caching = args.compile_cache or os.environ.get(COMPILE_CACHE_VAR)
+    more = CHECKS[1:] + ((CHECKPOINT_CHECK,) if args.checkpoint_dir else ()) + ((COMPILE_CACHE_CHECK,) if caching else ())
+    lines = []
+    status |= run_checks(more, args, lines)
+    if lead:
+        print(*lines, sep="\n", flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import atexit
 import functools
 import glob
 import os
+import re
 import shutil
 import tempfile
 import urllib.request
@@ -41,6 +42,10 @@ DTYPE_VAR = "LLAMA_XLA_DEFAULT_DTYPE"  # "fp32" | "bf16": what default_dtype() r
 # (TPU_ACCELERATOR_TYPE=tpu-v5-lite-podslice): prefix -> metrics.PEAK_FLOPS key, first match wins.
 CHIP_PREFIXES = (("v5litepod", "tpu-v5e"), ("v5-lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
                  ("v5p", "tpu-v5p"), ("v6e", "tpu-v6e"), ("v4", "tpu-v4"))
+# torch_xla releases whose TPU client cannot load the persistent compile cache it writes (pytorch/xla
+# issue 9094, fixed by PR 9759 after 2.9.0): init_runtime skips the cache there unless this variable is 1.
+CACHE_CANNOT_LOAD_ON_TPU = ("2.9.0",)
+FORCE_CACHE_VAR = "LLAMA_XLA_FORCE_COMPILE_CACHE"
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/accelerator-type"
 
 
@@ -96,6 +101,8 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_dump_to={hlo_dump_dir} --xla_dump_hlo_as_text").strip()
     select_device()
+    if tpu_chips_present():  # libtpu sends only errors to stderr: the partitioner's warnings (hlo.py) need 0
+        os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "0")
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -113,6 +120,11 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
     if not xr.is_spmd():
         xr.use_spmd()
     info = RuntimeInfo(kind, xr.global_runtime_device_count(), xr.process_index(), xr.process_count(), chip())
+    skip = cache_dir and compile_cache_dir() is None and cache_skip_reason(kind, torch_xla.__version__)
+    if skip:
+        if not started and info.process_index == 0:
+            print(skip)
+        cache_dir = None
     if cache_dir:
         init_compile_cache(cache_path(cache_dir, info.process_index, info.process_count), cache_readonly)
     if kind == "CPU" and cpu_devices is not None and info.num_devices != cpu_devices:
@@ -147,6 +159,32 @@ def default_dtype():
         raise ValueError(f"{DTYPE_VAR}={value!r} is not a dtype this package trains or serves in; set it to "
                          f"bf16 or fp32, or unset it (bf16 on a TPU, fp32 elsewhere)")
     return value
+
+
+def cache_skip_reason(kind, torch_xla_version, forced=None):
+    """Why init_runtime skips the persistent compile cache here, or None: on a TPU, torch_xla 2.9.0
+    writes entries it cannot load (pytorch/xla#9094), so a cache would cost writes and help nothing.
+    LLAMA_XLA_FORCE_COMPILE_CACHE=1 (or forced=True) uses it anyway, to check a fixed libtpu."""
+    forced = os.environ.get(FORCE_CACHE_VAR) == "1" if forced is None else forced
+    if kind == "TPU" and torch_xla_version.split("+")[0] in CACHE_CANNOT_LOAD_ON_TPU and not forced:
+        return (f"compile cache skipped: torch_xla {torch_xla_version} on a TPU cannot load what it writes "
+                f"(pytorch/xla#9094, fixed by PR #9759 after 2.9.0); set {FORCE_CACHE_VAR}=1 to use it anyway")
+    return None
+
+
+def tpu_hosts(accelerator):
+    """Hosts (TPU VMs) of a slice, from its type: "v4-8" -> 1, "v4-16" -> 2, "v5litepod-16" -> 4,
+    "v6e-8" -> 1; None for a type it does not know (GKE's names carry no size).
+
+    v2-v4 and v5p count TensorCores, 8 per host; v5e (v5litepod) and v6e count chips, up to 8 on one
+    host, 4 per host in larger slices (Cloud TPU's system architecture pages)."""
+    m = re.fullmatch(r"(?:tpu-)?(v2|v3|v4|v5p|v5litepod|v5e|v6e)-(\d+)", (accelerator or "").lower())
+    if not m:
+        return None
+    kind, n = m.group(1), int(m.group(2))
+    if kind in ("v2", "v3", "v4", "v5p"):
+        return max(1, n // 8)
+    return 1 if n <= 8 else n // 4
 
 
 def check_cache_dir(cache_dir, readonly=False):

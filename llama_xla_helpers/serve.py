@@ -193,6 +193,11 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     check_lengths(config, max_seq_len, buckets)
     tokenizer = read_tokenizer(path, step, config)
     init_runtime(cpu_devices=math.prod(mesh) if mesh else None)
+    if xr.process_count() > 1:
+        raise ValueError(f"this is one of {xr.process_count()} hosts: the engine steps only on the host that got "
+                         f"the request, and the others would wait in its collectives forever. Serve from a "
+                         f"single-host TPU VM, or on a pod call Generator.generate with the same prompts on "
+                         f"every host at once (README, 'On a TPU VM / pod')")
     shape = tuple(mesh) if mesh else mesh_shape_for(xr.global_runtime_device_count(), config)
     slots = slots or shape[0] * -(-4 // shape[0])  # 4, or the next multiple of 'data'
     args = ModelArgs.from_hf_config(config, slots, max_seq_len)

@@ -204,7 +204,7 @@ class TrainResult:
     train_compiles: int     # graphs compiled by the training steps (the post expects 2)
     tokens_per_sec_per_chip: float
     mfu: float              # None on CPU: MFU against a CPU has no meaningful peak
-    stopped_early: bool = False  # SIGTERM arrived: checkpointed at the end of that step and stopped
+    stopped_early: bool = False  # SIGTERM / SIGHUP arrived: checkpointed at the end of a step and stopped
 
 
 def _check_resume(meta, cfg):
@@ -373,9 +373,14 @@ def scan_decoder_layers(model, recompute=False):
     return model
 
 
-def train(cfg):
-    """Train as `cfg` says; returns a TrainResult."""
+def train(cfg, group=None):
+    """Train as `cfg` says; returns a TrainResult.
+
+    group: the process group on which the hosts of a pod agree when to stop (`should_stop`); None:
+    none on one process, and on a pod the gloo group the checkpoints use."""
     cfg, mesh, config = setup(cfg)
+    if group is None and xr.process_count() > 1:
+        group = checkpoint.host_group()
     resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
     if resume_from:
         _check_resume(checkpoint.read_meta(resume_from), cfg)
@@ -393,10 +398,10 @@ def train(cfg):
     loader = sharded_loader(TensorDataset(train_ids), cfg.batch_size, mesh, sampler=sampler)
     lead = xr.process_index() == 0
     bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead))
-    losses, pending, val_losses, timed = {}, [], {}, []
+    losses, pending, val_losses, timed, stop = {}, [], {}, [], False
     model.train()
     compiles = count_compiles()
-    with sigterm_flag() as stop:
+    with stop_signals() as got:
         for step, (ids,) in enumerate(loader, start + 1):
             pending.append((step, train_step(model, optimizer, ids)))
             torch_xla.sync()  # one graph per step, dispatched: the device runs it while the host goes on
@@ -408,6 +413,7 @@ def train(cfg):
                 if cfg.progress and len(timed) > 2:
                     tps = cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1])
                     bar.set_postfix(loss=f"{losses[step - 1]:.3f}", tok_s=f"{tps:,.0f}")
+            stop = should_stop(step, got, cfg.log_every, group)
             if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
                 checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
                                 extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict()))
@@ -427,25 +433,49 @@ def train(cfg):
            if len(timed) > 2 else None)  # after the two compiling steps
     peak = PEAK_FLOPS.get(chip())
     return TrainResult(model, optimizer, losses, val_losses, compiles, tps,
-                       mfu(tps, config, cfg.seq_len, peak) if peak and tps else None, bool(stop))
+                       mfu(tps, config, cfg.seq_len, peak) if peak and tps else None, stop)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a spot / preemptible VM's notice; ssh's hang-up at shutdown
 
 
 @contextlib.contextmanager
-def sigterm_flag():
-    """A list that becomes non-empty when SIGTERM arrives: a spot or preemptible TPU VM's notice.
+def stop_signals():
+    """A list that becomes non-empty when SIGTERM or SIGHUP arrives: a spot or preemptible TPU VM's
+    notice, or the hang-up a run launched over ssh gets when the VM shuts down.
 
-    Training checks it at the end of each step, saves a checkpoint and stops (exit status 0).
-    Signal handlers live in the main thread only; elsewhere the list stays empty.
+    Training saves a checkpoint at the end of a step and stops (exit status 0); `should_stop`
+    says which step. Signal handlers live in the main thread only; elsewhere the list stays empty.
     """
     got = []
     if threading.current_thread() is not threading.main_thread():
         yield got
         return
-    previous = signal.signal(signal.SIGTERM, lambda *_: got.append(True))
+    previous = {sig: signal.signal(sig, lambda *_: got.append(True)) for sig in STOP_SIGNALS}
     try:
         yield got
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def should_stop(step, got, every, group=None):
+    """Whether to checkpoint and stop after `step`, given `got` (this host's `stop_signals()` list).
+
+    One process (group None): as soon as a signal came. A pod's hosts must all save the same step:
+    a host that stopped one step early would wait forever in the others' collectives. So every
+    `every` steps (train passes log_every) each host puts its flag into one all-reduce (MAX) over
+    the gloo `group`, and all stop if any got a signal; between those steps none stops. A signal
+    therefore waits at most `every` steps (keep that well inside a spot VM's 30 s notice).
+    (torch_xla's preemption sync manager does the same on a TPU, but cannot start anywhere else.)
+    """
+    if group is None:
+        return bool(got)
+    if step % every:
+        return False
+    flag = torch.tensor([int(bool(got))])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def read_losses(pending, losses):
@@ -516,7 +546,7 @@ def main(argv=None):
               f"held-out loss {val:.3f} nats/byte")
         return
     if result.stopped_early:
-        print(f"SIGTERM: saved a checkpoint at step {step}; resume with --resume")
+        print(f"stop signal (SIGTERM or SIGHUP): saved a checkpoint at step {step}; resume with --resume")
     print(f"step {step}: train loss {result.losses[max(result.losses)]:.3f}, held-out loss {val:.3f} nats/byte; "
           f"{result.train_compiles} training graphs compiled")
     if cfg.compile_cache:

@@ -231,12 +231,25 @@ def test_url_save_load_keep_and_a_crashed_save(mesh, url, monkeypatch):
 
 def as_host(monkeypatch, index, others):
     """Pretend to be host `index` of a pod; `others` (host -> value) plays the other hosts in each gather
-    (but verify's: its (problem,) tuples, the other hosts find what this one finds)."""
+    (but verify's (problem,) tuples and save's file sums (dicts): the other hosts find what this one finds)."""
     n = len(others) + 1
     monkeypatch.setattr(xr, "process_index", lambda: index)
     monkeypatch.setattr(xr, "process_count", lambda: n)
-    monkeypatch.setattr(checkpoint, "_gather", lambda value: [value if isinstance(value, tuple) else others.get(h, value)
-                                                            for h in range(n)])
+    monkeypatch.setattr(checkpoint, "_gather", lambda value: [value if isinstance(value, (tuple, dict)) else
+                                                            others.get(h, value) for h in range(n)])
+
+
+def test_each_host_hashes_the_files_it_wrote_and_host_0_records_them_all(mesh, tmp_path, monkeypatch):
+    hashed, sha256 = [], checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda fs, file: hashed.append(file.rsplit("/", 1)[-1]) or sha256(fs, file))
+    host_1 = {f"__1_{i}.distcp": dict(size=8, sha256="ab") for i in range(checkpoint.THREADS)}  # what host 1 hashed
+    monkeypatch.setattr(xr, "process_count", lambda: 2)
+    monkeypatch.setattr(checkpoint, "_no_dist", lambda: True)  # DCP as one process: this host writes __0_*
+    monkeypatch.setattr(checkpoint, "_gather", lambda value: [value, host_1 if isinstance(value, dict) else value])
+    path = save(tmp_path, 1, sharded(mesh))
+    mine = {".metadata"} | {f"__0_{i}.distcp" for i in range(checkpoint.THREADS)}
+    assert sorted(hashed) == sorted(mine) and set(os.listdir(path)) == mine | {"meta.json"}
+    assert json.loads((path / "meta.json").read_text())["files"].keys() == mine | host_1.keys()
 
 
 def test_hosts_agree_on_the_resume_step_or_all_raise(mesh, tmp_path, monkeypatch):
@@ -278,8 +291,8 @@ def two_checkpoints(mesh, tmp_path):
 
 
 def shard_file(path):
-    [name] = [n for n in os.listdir(path) if n.endswith(".distcp")]
-    return path / name
+    """The first of the shard files host 0 wrote (checkpoint.THREADS of them)."""
+    return path / "__0_0.distcp"
 
 
 @pytest.mark.parametrize("damage, reason", [
@@ -291,7 +304,7 @@ def shard_file(path):
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_loudly(mesh, tmp_path, monkeypatch, damage, reason):
     first, second, weights = two_checkpoints(mesh, tmp_path)
     meta = json.loads((second / "meta.json").read_text())
-    assert set(meta["files"]) == {".metadata", "__0_0.distcp"}
+    assert set(meta["files"]) == {".metadata"} | {f"__0_{i}.distcp" for i in range(checkpoint.THREADS)}
     assert meta["files"]["__0_0.distcp"]["size"] == shard_file(second).stat().st_size
     file = shard_file(second)
     if damage == "truncate":
@@ -326,7 +339,7 @@ def test_loading_the_newest_checkpoint_reads_each_file_once_for_its_sum(mesh, tm
     assert sorted(map(os.path.basename, hashed)) == sorted(json.loads((second / "meta.json").read_text())["files"])
     hashed.clear()
     load(second, sharded(mesh, seed=3))  # a step folder: load verifies it itself
-    assert len(hashed) == 2
+    assert len(hashed) == 1 + checkpoint.THREADS  # .metadata and the shard files
     hashed.clear()
     load(second, sharded(mesh, seed=3), verified=True)  # the caller has verified it
     assert hashed == []
@@ -355,7 +368,7 @@ def test_loading_runs_no_code_from_a_pickled_metadata_file(mesh, tmp_path, modul
     path = save(tmp_path, 1, sharded(mesh))
     (path / ".metadata").write_bytes(payload)
     meta = json.loads((path / "meta.json").read_text())
-    meta["files"] = checkpoint._file_sums(path)  # the sums match: only the unpickler stands in the way
+    meta["files"] = checkpoint._file_sums(path, lambda name: True)  # the sums match: only the unpickler stands in the way
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(pickle.UnpicklingError, match=rf"may not hold {module}\.{name}"):
         load(path, sharded(mesh))

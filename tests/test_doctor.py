@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from llama_xla_helpers import doctor
-from llama_xla_helpers.doctor import CHECKS, CheckFailed, check_compile_cache, cpu_fallbacks, one_line, run_checks
+from llama_xla_helpers.doctor import (CHECKS, CheckFailed, check_checkpoint_dir, check_compile_cache, check_libtpu_flags,
+                                      check_versions, cpu_fallbacks, multi_host_note, one_line, run_checks)
 
 DOCTOR = [sys.executable, "-m", "llama_xla_helpers.doctor"]
 ENV = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
@@ -19,13 +20,17 @@ def run(*args, timeout=300):
 @pytest.mark.child_process
 def test_every_check_passes_on_4_cpu_devices(tmp_path):
     cache = tmp_path / "cache"
-    out = run("--compile-cache", cache)
+    out = run("--compile-cache", cache, "--checkpoint-dir", tmp_path / "ckpt")
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     lines = out.stdout.splitlines()
-    names = [name for name, _, _ in CHECKS] + ["compile cache"]  # with a cache, what it did comes last
+    names = ["versions"] + [name for name, _, _ in CHECKS] + ["checkpoint dir", "compile cache"]
     assert [line.split(":")[0] for line in lines] == [f"PASS {name}" for name in names], out.stdout
-    assert lines[0] == "PASS runtime: CPU, chip None, 4 devices, 1 host"
-    assert "mesh (2, 2), batch 2, seq_len 64, fp32" in lines[2]
+    assert lines[0].startswith(f"PASS versions: python {sys.version.split()[0]}, torch 2.9.0")
+    assert "torch_xla 2.9.0, libtpu none, transformers 5.23.0, jax 0.7.1, torchax 0.0.7" in lines[0]
+    assert lines[1] == "PASS runtime: CPU, chip None, 4 devices, 1 host"
+    assert "mesh (2, 2), batch 2, seq_len 64, fp32" in lines[3]
+    assert lines[-3] == "PASS libtpu flags: LIBTPU_INIT_ARGS unset (libtpu reads it; this is not a TPU)"
+    assert lines[-2].startswith(f"PASS checkpoint dir: {tmp_path / 'ckpt'}: this host can write there")
     entries = len(list(cache.iterdir()))  # a cold cache: every program compiled and written
     assert entries > 0 and lines[-1] == (f"PASS compile cache: {cache}: 0 programs loaded, {entries} compiled and "
                                          f"added, 0 found but not loadable on this device (compiled again)")
@@ -90,3 +95,64 @@ def test_a_tpu_that_cannot_load_its_cache_fails_the_cache_check(monkeypatch):
     counters.update(PersistentCacheHit=3, PersistentCacheDeserializeFailure=0)
     monkeypatch.setattr(doctor.xr, "device_type", lambda: "TPU")
     assert check_compile_cache(None).startswith("/cache: 3 programs loaded, 0 compiled and added, 0 found")
+
+
+def test_torch_and_torch_xla_of_different_releases_fail():
+    found = dict(python="3.11.7", torch="2.11.0", torch_xla="2.9.0", libtpu=None, transformers="5.23.0", jax=None,
+                 torchax=None)
+    with pytest.raises(CheckFailed, match="torch 2.11.0 with torch_xla 2.9.0, which is built for torch 2.9.0"):
+        check_versions(None, found)
+    assert check_versions(None, dict(found, torch="2.9.0+cu128", libtpu="0.0.21")).startswith(
+        "python 3.11.7, torch 2.9.0+cu128, torch_xla 2.9.0, libtpu 0.0.21, transformers 5.23.0, jax none")
+
+
+@pytest.mark.parametrize("accelerator, source", [("v6e-8", "the Trillium Llama 3 70B recipe"),
+                                                 ("v5p-8", "the v5p Mixtral-8x7B recipe"),
+                                                 ("v5litepod-4", "no public PyTorch recipe for tpu-v5e")])
+def test_libtpu_flags_recommended_per_tpu_generation(monkeypatch, accelerator, source):
+    monkeypatch.setattr(doctor.xr, "device_type", lambda: "TPU")
+    monkeypatch.setenv("ACCELERATOR_TYPE", accelerator)
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=true")
+    line = check_libtpu_flags(None)
+    assert line.startswith("LIBTPU_INIT_ARGS='--xla_enable_async_all_gather=true'; to overlap collectives") and \
+        source in line and "--xla_tpu_enable_async_collective_fusion=true" in line
+
+
+def test_checkpoint_dir_check(tmp_path, monkeypatch):
+    args = lambda d: type("Args", (), {"checkpoint_dir": str(d)})
+    assert check_checkpoint_dir(args(tmp_path / "new")).startswith(f"{tmp_path / 'new'}: this host can write")
+    assert list((tmp_path / "new").iterdir()) == []  # the probe file is gone
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(OSError):
+        check_checkpoint_dir(args(tmp_path / "file"))
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # not installed
+    with pytest.raises(CheckFailed, match="gs://bucket/ckpt is a Google Cloud Storage URL and gcsfs is not installed"):
+        check_checkpoint_dir(args("gs://bucket/ckpt"))
+
+
+@pytest.mark.parametrize("accelerator, hosts", [("v4-16", 2), ("v5litepod-16", 4), ("v4-8", None), ("v6e-8", None)])
+def test_one_host_of_a_multi_host_slice_is_told_to_run_on_every_host(monkeypatch, accelerator, hosts):
+    monkeypatch.setattr(doctor, "tpu_chips_present", lambda: True)
+    monkeypatch.setenv("ACCELERATOR_TYPE", accelerator)
+    note = multi_host_note()
+    assert (note is None) if hosts is None else note.startswith(f"{accelerator} has {hosts} hosts: the TPU runtime")
+    monkeypatch.setattr(doctor, "tpu_chips_present", lambda: False)
+    assert multi_host_note() is None
+
+
+def test_on_a_pod_only_process_0_prints(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "VERSIONS_CHECK", ("versions", lambda args: "v", "-"))
+    monkeypatch.setattr(doctor, "CHECKS", (("runtime", lambda args: "up", "-"), ("other", lambda args: "ok", "-")))
+    monkeypatch.setattr(doctor.xr, "process_index", lambda: 1)
+    assert doctor.main([]) == 0 and capsys.readouterr().out == ""
+    monkeypatch.setattr(doctor.xr, "process_index", lambda: 0)
+    assert doctor.main([]) == 0
+    assert capsys.readouterr().out.splitlines() == ["PASS versions: v", "PASS runtime: up", "PASS other: ok"]
+
+
+def test_a_tpu_with_torch_xla_2_9_skips_the_compile_cache_and_says_why(monkeypatch):
+    monkeypatch.setattr(doctor, "compile_cache_dir", lambda: None)  # init_runtime skipped it
+    monkeypatch.setattr(doctor.xr, "device_type", lambda: "TPU")
+    monkeypatch.delenv("LLAMA_XLA_FORCE_COMPILE_CACHE", raising=False)
+    assert check_compile_cache(None).startswith("compile cache skipped: torch_xla 2.9.0 on a TPU cannot load what "
+                                                "it writes (pytorch/xla#9094")

@@ -47,6 +47,24 @@ def test_default_dtype_is_the_devices_unless_the_variable_says(monkeypatch, devi
     assert runtime.default_dtype() == expected
 
 
+@pytest.mark.parametrize("accelerator, hosts", [
+    ("v4-8", 1), ("v4-16", 2), ("v4-32", 4), ("v5p-8", 1), ("v5p-16", 2), ("v5litepod-1", 1), ("v5litepod-8", 1),
+    ("v5litepod-16", 4), ("v6e-4", 1), ("v6e-8", 1), ("v6e-16", 4), ("v6e-256", 64), ("tpu-v5-lite-podslice", None),
+    (None, None)])
+def test_hosts_of_a_tpu_slice_from_its_type(accelerator, hosts):
+    assert runtime.tpu_hosts(accelerator) == hosts
+
+
+@pytest.mark.parametrize("kind, version, forced, skipped", [
+    ("TPU", "2.9.0", False, True), ("TPU", "2.9.0+libtpu", False, True), ("TPU", "2.9.0", True, False),
+    ("TPU", "2.10.0", False, False), ("CPU", "2.9.0", False, False)])
+def test_the_compile_cache_is_skipped_where_it_cannot_load(kind, version, forced, skipped):
+    reason = runtime.cache_skip_reason(kind, version, forced)
+    assert (reason is not None) == skipped
+    if skipped:
+        assert "pytorch/xla#9094" in reason and "LLAMA_XLA_FORCE_COMPILE_CACHE=1" in reason
+
+
 def test_a_bad_default_dtype_names_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv("LLAMA_XLA_DEFAULT_DTYPE", "fp16")
     with pytest.raises(ValueError, match="LLAMA_XLA_DEFAULT_DTYPE='fp16' .* set it to bf16 or fp32, or unset it"):

@@ -359,6 +359,13 @@ def test_bad_argument_is_one_error_line(model_dir, args, message, capsys):
     assert one_error_line(code, err, message), (code, err[-2000:])
 
 
+def test_a_pod_is_refused_with_the_way_that_works(model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(serve.xr, "process_count", lambda: 2)
+    code, _, err = cli(serve.main, [str(model_dir), "--port", "0"], capsys)
+    assert one_error_line(code, err, "this is one of 2 hosts: the engine steps only on the host"), err
+    assert "call Generator.generate with the same prompts on every host" in err
+
+
 def test_a_folder_without_a_model_or_a_busy_port_is_one_error_line(model_dir, tmp_path, capsys):
     code, _, err = cli(serve.main, [str(tmp_path), "--port", "0"], capsys)
     assert one_error_line(code, err, f"{str(tmp_path)!r} holds neither config.json"), err

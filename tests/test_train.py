@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, trai
 from llama_xla_helpers.hlo import dot_dtypes
 from llama_xla_helpers.sharding import sharded_loader
 from llama_xla_helpers.train import (DTYPES, Adafactor, TrainConfig, _parse_args, build_model, first_batch, forward_loss,
-                                     init_weights, main, setup, train, train_step)
+                                     init_weights, main, setup, should_stop, stop_signals, train, train_step)
 from util import N, shapes_2d
 
 # Small and quick: 2 steps compile, the rest reuse the graph. The mesh is picked for the devices there are.
@@ -74,6 +75,13 @@ def test_step_sampler_resumes_exactly_and_reshuffles():
     assert whole[:20] != whole[20:40]                      # in another order
     with pytest.raises(ValueError, match="3 training chunks cannot fill one batch of 4"):
         StepSampler(3, 4, seed=0, start=0, steps=1)
+
+
+def test_step_sampler_shuffles_once_per_epoch(monkeypatch):
+    draws = []
+    monkeypatch.setattr(torch, "randperm", lambda n, generator: draws.append(n) or torch.arange(n))
+    assert len(list(StepSampler(20, 4, seed=3, start=2, steps=12))) == 48  # steps 2-13: epochs 0, 1 and 2
+    assert draws == [20, 20, 20]
 
 
 def test_adafactor_matches_transformers_adafactor():
@@ -219,6 +227,52 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
     assert resumed == {step: whole[step] for step in (4, 5, 6)}      # bit for bit
     with pytest.raises(ValueError, match="trained with seq_len=32 but this run has seq_len=40"):
         train(dataclasses.replace(run, seq_len=40, resume=True))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_both_ask_to_stop_and_the_handlers_are_put_back(sig):
+    before = signal.getsignal(sig)
+    with stop_signals() as got:
+        assert not should_stop(1, got, every=10)
+        os.kill(os.getpid(), sig)
+        assert got and should_stop(2, got, every=10)  # one process: at once, not at a multiple of 10
+    assert signal.getsignal(sig) == before
+
+
+# Two hosts over gloo. In each case (signalled, at), host `signalled` gets its signal after step `at`;
+# each host prints the step it stops at, or "none" after 12 steps.
+CASES = [(1, 3, "5"), (0, 7, "10"), (0, 5, "5"), (1, 11, "none")]
+HOSTS = """
+import json, sys
+import torch.distributed as dist
+from llama_xla_helpers.train import should_stop
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+stops = []
+for signalled, at, _ in json.loads(sys.argv[3]):
+    got = []
+    for step in range(1, 13):
+        if rank == signalled and step == at:
+            got.append(True)
+        if should_stop(step, got, 5, dist.group.WORLD):
+            stops.append(str(step))
+            break
+    else:
+        stops.append("none")
+print(json.dumps(stops))
+dist.destroy_process_group()
+"""
+
+
+def test_the_hosts_of_a_pod_agree_on_the_step_to_stop_at(tmp_path):
+    """Without agreement, the signalled host would stop at once and the other would block in its next
+    collective. With it, both stop at the next multiple of `every` (5), or both run on."""
+    hosts = [subprocess.Popen([sys.executable, "-c", HOSTS, str(rank), str(tmp_path / "store"), json.dumps(CASES)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [host.communicate(timeout=300) for host in hosts]
+    assert [host.returncode for host in hosts] == [0, 0], [err[-2000:] for _, err in outs]
+    want = [stop for _, _, stop in CASES]
+    assert [json.loads(out.splitlines()[-1]) for out, _ in outs] == [want, want]  # (gloo prints its peers first)
 
 
 @pytest.mark.child_process
