@@ -125,7 +125,7 @@ tour: .venv/installed
 		$(call notebook_env,outputs) $(EXECUTE) --log-level=ERROR --output-dir outputs $$nb >> $(TOUR_LOG) 2>&1 || \
 			{ tail -n 25 $(TOUR_LOG); echo "$$nb failed; the whole log: $(CURDIR)/$(TOUR_LOG)"; exit 1; }; \
 		figures=$$(find outputs/figures -name '*.png' -newer outputs/.tour-start -printf '%f\n' | sort | tr '\n' ' '); \
-		printf '%-36s %4d s  %s\n' "$$nb" $$(($$(date +%s) - start)) "$${figures:-(no figures)}"; done
+		printf '%-40s %4d s  %s\n' "$$nb" $$(($$(date +%s) - start)) "$${figures:-(no figures)}"; done
 	@echo "Executed notebooks: $(CURDIR)/outputs/*.ipynb; figures: $(CURDIR)/outputs/figures/"
 	@echo "Kernel and XLA messages: $(CURDIR)/$(TOUR_LOG)"
 

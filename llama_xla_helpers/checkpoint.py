@@ -553,15 +553,21 @@ def load_param_groups(optimizer, saved):
         group.update({k: v for k, v in values.items() if k != "params"})
 
 
-def export_hf(model, out_dir):
+def export_hf(model, out_dir, dtype=None):
     """Write `model` (sharded or not) as a Hugging Face folder: config.json + model.safetensors.
 
-    Each weight is gathered to the CPU; process 0 writes. Load it with `load_hf` or from_pretrained.
+    Each weight is gathered to the CPU, cast to `dtype` if given (torch.float32: the same folder
+    whatever the run trained in); process 0 writes. Load it with `load_hf` or from_pretrained.
     """
     torch_xla.sync()
-    weights = {n: t.cpu() for n, t in model.state_dict().items()}
+    weights = {n: t.cpu().to(dtype or t.dtype) for n, t in model.state_dict().items()}
     if xr.process_index() == 0:
-        model.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+        saved_dtype = model.config.dtype
+        model.config.dtype = dtype or saved_dtype  # what config.json says the weights are
+        try:
+            model.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+        finally:
+            model.config.dtype = saved_dtype
     return out_dir
 
 

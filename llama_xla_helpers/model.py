@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the dtypes by the names the CLIs take
+
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -361,17 +363,19 @@ class Llama(nn.Module):
         return cls.from_state_dict(args, state)
 
     @classmethod
-    def from_pretrained(cls, path, max_batch_size, max_seq_len):
-        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors).
+    def from_pretrained(cls, path, max_batch_size, max_seq_len, dtype=None):
+        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors), in the
+        saved dtype unless `dtype` (a torch dtype, or "fp32" / "bf16" as `runtime.default_dtype()` says).
 
         The whole model passes through host memory; on a pod, `parallel.load_for_inference`
         reads only each host's blocks instead.
         """
         path = Path(path)
         args = ModelArgs.from_pretrained(path, max_batch_size, max_seq_len)
+        dtype = DTYPES.get(dtype, dtype)
         state = {}
         for file in safetensors_files(path):
-            state.update(load_file(file))
+            state.update({name: t.to(dtype or t.dtype) for name, t in load_file(file).items()})
         return cls.from_state_dict(args, state)
 
     @classmethod

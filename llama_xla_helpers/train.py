@@ -40,6 +40,7 @@ from .data import StepSampler, load_corpus, train_val_split
 from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_bytes
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
+from .model import DTYPES
 from .cli import ArgumentParser, int_list, user_errors
 from .runtime import chip, compile_cache_counters, compile_cache_summary, default_dtype, init_runtime
 from .sharding import STRATEGIES, shard_activations, shard_params, shard_shape, sharded_loader
@@ -134,9 +135,6 @@ class Adafactor(torch.optim.Optimizer):
                 w.sub_((lr * update).to(w.dtype))
                 if w is not p:
                     p.copy_(w)  # rounded to p's dtype
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def init_weights(config, seed, dtype=torch.float32):

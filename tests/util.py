@@ -27,3 +27,19 @@ def shapes_2d():
     from llama_xla_helpers.configs import get_config
     from llama_xla_helpers.mesh import mesh_shape
     return list(dict.fromkeys([(N, 1), mesh_shape(N, get_config("tiny")), (N // tp_size(4), tp_size(4))]))
+
+
+def teacher_forced_agreement(reference, other, tokens, generated_from):
+    """Fraction of the generated positions where `other` predicts the same next token as `reference`
+    (argmax), both fed the same tokens (bsz, seqlen): prompts, then the reference's own greedy tokens
+    from index `generated_from` on (teacher forcing: a near-tie that flips one token does not derail
+    the rest). Also returns the dtypes of `other`'s matmuls, traced: bf16 must multiply in bf16."""
+    from llama_xla_helpers.hlo import dot_dtypes
+
+    device = other.embed_tokens.weight.device
+    pos = torch.arange(tokens.shape[1], device=device)
+    want = reference(tokens.to(reference.embed_tokens.weight.device), pos.to(reference.embed_tokens.weight.device))
+    logits = other(tokens.to(device), pos)  # (bsz, seqlen, vocab_size)
+    dots = set(dot_dtypes([logits])) if device.type == "xla" else None
+    same = want.argmax(-1).cpu() == logits.argmax(-1).cpu()  # position i predicts token i + 1
+    return same[:, generated_from - 1:-1].float().mean().item(), dots
