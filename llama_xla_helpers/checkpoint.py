@@ -562,12 +562,11 @@ def export_hf(model, out_dir, dtype=None):
     torch_xla.sync()
     weights = {n: t.cpu().to(dtype or t.dtype) for n, t in model.state_dict().items()}
     if xr.process_index() == 0:
-        saved_dtype = model.config.dtype
-        model.config.dtype = dtype or saved_dtype  # what config.json says the weights are
-        try:
-            model.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
-        finally:
-            model.config.dtype = saved_dtype
+        model.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+        if dtype is not None:  # config.json names the model's dtype: say what the weights are
+            file = Path(out_dir) / "config.json"
+            config = json.loads(file.read_text())
+            file.write_text(json.dumps(dict(config, dtype=str(dtype).removeprefix("torch.")), indent=2) + "\n")
     return out_dir
 
 

@@ -7,6 +7,7 @@ import pickle
 import fsspec
 import pytest
 import torch
+from safetensors.torch import load_file
 import torch_xla
 import torch_xla.runtime as xr
 from util import hf_model
@@ -188,6 +189,17 @@ def test_export_hf_matches_sharded_logits(mesh, tmp_path):
         torch.testing.assert_close(hf(ids).logits, expected, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="no config.json"):
         load_hf(tmp_path)
+
+
+def test_export_hf_of_a_bf16_model_in_fp32(mesh, tmp_path):
+    """Notebook 03's export for 04-06: fp32 whatever the run trained in (a TPU trains in bf16)."""
+    model = hf_model(get_config("tiny", num_hidden_layers=2)).to(torch.bfloat16)
+    shard_params(model, mesh, "2d")
+    export_hf(model, tmp_path / "hf", dtype=torch.float32)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    for name, p in model.named_parameters():
+        assert exported[name].dtype == torch.float32 and torch.equal(exported[name], p.detach().cpu().float()), name
 
 
 @pytest.fixture(params=["memory", "file"])
