@@ -140,7 +140,7 @@ def check_versions(args, found=None):
 
 
 # Flags that let XLA overlap collectives with compute on a TPU, as the public PyTorch/XLA training recipes
-# set them in LIBTPU_INIT_ARGS (GoogleCloudPlatform's reproducibility recipes: Training/TPU-v5p/
+# set them in LIBTPU_INIT_ARGS (the github.com/gclouduniverse/reproducibility recipes: Training/TPU-v5p/
 # Mixtral-8x7B-PyTorch/env.sh for v5p, Training/TPU-Trillium/Llama3-70B-PyTorch/env.sh for v6e). No
 # recipe there covers v4 or v5e with PyTorch; the same flags are libtpu's, untested on those here.
 OVERLAP_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
@@ -358,7 +358,8 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-devices", type=positive_int,
                         help="virtual XLA devices on a CPU (default: CPU_NUM_DEVICES, else 8)")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
-                        help="parameters of the training and generation checks (default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
+                        help="parameters of the training and generation checks (default: "
+                             "LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
     add_compile_cache_args(parser)
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="check that this host can write checkpoints there")
     args = parser.parse_args(argv)
@@ -400,7 +401,8 @@ def main(argv=None):
     if status and lines[-1].startswith("FAIL"):  # the other checks need the runtime: they would repeat its error
         return 1
     caching = args.compile_cache or os.environ.get(COMPILE_CACHE_VAR)
-    more = CHECKS[1:] + ((CHECKPOINT_CHECK,) if args.checkpoint_dir else ()) + ((COMPILE_CACHE_CHECK,) if caching else ())
+    more = (CHECKS[1:] + ((CHECKPOINT_CHECK,) if args.checkpoint_dir else ()) +
+            ((COMPILE_CACHE_CHECK,) if caching else ()))
     lines = []
     status |= run_checks(more, args, lines)
     if lead:

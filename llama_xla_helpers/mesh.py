@@ -87,5 +87,9 @@ def make_mesh(shape=None, axis_names=("data", "model"), dcn_shape=None):
     if slices > 1 and "slice_index" in xr.global_runtime_device_attributes()[0]:
         # A real multi-slice pod: let torch_xla place devices by physical topology.
         return xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, axis_names=axis_names)
-    # One slice (or this CPU standing in for several): slices are consecutive device ids.
+    if slices == 1 and xr.device_type() == "TPU":
+        # One TPU slice: HybridMesh orders the chips by their torus coordinates (device attribute
+        # 'coords'), so neighbours on a mesh axis are neighbours on the ICI links; ids need not be.
+        return xs.HybridMesh(ici_mesh_shape=ici, axis_names=axis_names)
+    # The CPU (standing in for one slice or several): slices are consecutive device ids.
     return xs.Mesh(hybrid_device_ids(ici, dcn).flatten(), full, axis_names)

@@ -170,7 +170,8 @@ def read_weights(path, step, config, args):
     verified by `read_config`) and gathered to the host."""
     if step is None:
         return Llama.from_pretrained(path, args.max_batch_size, args.max_seq_len)
-    dtype = checkpoint.read_meta(step)["extra"].get("train_config", {}).get("dtype") or "fp32"
+    extra = checkpoint.read_meta(step)["extra"]  # the parameters' dtype (older checkpoints: train_config's)
+    dtype = extra.get("dtypes", {}).get("parameters") or extra.get("train_config", {}).get("dtype") or "fp32"
     hf = build_model(config, make_mesh(mesh_shape(None, config)), dtype=DTYPES[dtype])
     checkpoint.load(step, hf, verified=True)
     return Llama.from_state_dict(args, {name: t.cpu() for name, t in hf.state_dict().items()})
@@ -185,7 +186,8 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     config's max_position_embeddings capped at 2048; mesh: (data, model) devices (default:
     `mesh_shape_for`; on a CPU it sets the number of virtual devices, as train's --mesh does);
     buckets: those of 128, 256, 384, 512 up to half the cache; dtype: "bf16" or "fp32" (default:
-    `runtime.default_dtype()`: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU); quantize: None, "int8" or "int4" (weight-only, `quantize.quantize`).
+    `runtime.default_dtype()`: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU); quantize:
+    None, "int8" or "int4" (weight-only, `quantize.quantize`).
     """
     config, step = read_config(path)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, MAX_SEQ_LEN)
@@ -552,7 +554,8 @@ def parse_args(argv=None):
                                                          f"{','.join(map(str, BUCKETS))}, those up to half the cache)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: any free port")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU")
+    parser.add_argument("--dtype", choices=tuple(DTYPES),
+                        help="default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization")
     add_compile_cache_args(parser)
     parser.add_argument("--debug", action="store_true", help="tracebacks of input errors, uvicorn's request log")

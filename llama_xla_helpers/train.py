@@ -414,7 +414,8 @@ def train(cfg, group=None):
             stop = should_stop(step, got, cfg.log_every, group)
             if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
                 checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
-                                extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict()))
+                                extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict(),
+                                           dtypes=run_dtypes(cfg.dtype)))
             if stop:  # preempted: this step is saved; stop here
                 break
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
@@ -432,6 +433,12 @@ def train(cfg, group=None):
     peak = PEAK_FLOPS.get(chip())
     return TrainResult(model, optimizer, losses, val_losses, compiles, tps,
                        mfu(tps, config, cfg.seq_len, peak) if peak and tps else None, stop)
+
+
+def run_dtypes(dtype):
+    """What meta.json records of a run's dtypes, apart: its parameters and matmuls (`dtype`), and the
+    weights the optimizer updates (fp32 master copies when the parameters are bf16; see Adafactor)."""
+    return dict(parameters=dtype, compute=dtype, master_weights="fp32" if dtype != "fp32" else None)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a spot / preemptible VM's notice; ssh's hang-up at shutdown

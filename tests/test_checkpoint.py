@@ -253,7 +253,8 @@ def as_host(monkeypatch, index, others):
 
 def test_each_host_hashes_the_files_it_wrote_and_host_0_records_them_all(mesh, tmp_path, monkeypatch):
     hashed, sha256 = [], checkpoint._sha256
-    monkeypatch.setattr(checkpoint, "_sha256", lambda fs, file: hashed.append(file.rsplit("/", 1)[-1]) or sha256(fs, file))
+    monkeypatch.setattr(checkpoint, "_sha256",
+                        lambda fs, file: hashed.append(file.rsplit("/", 1)[-1]) or sha256(fs, file))
     host_1 = {f"__1_{i}.distcp": dict(size=8, sha256="ab") for i in range(checkpoint.THREADS)}  # what host 1 hashed
     monkeypatch.setattr(xr, "process_count", lambda: 2)
     monkeypatch.setattr(checkpoint, "_no_dist", lambda: True)  # DCP as one process: this host writes __0_*
@@ -380,7 +381,7 @@ def test_loading_runs_no_code_from_a_pickled_metadata_file(mesh, tmp_path, modul
     path = save(tmp_path, 1, sharded(mesh))
     (path / ".metadata").write_bytes(payload)
     meta = json.loads((path / "meta.json").read_text())
-    meta["files"] = checkpoint._file_sums(path, lambda name: True)  # the sums match: only the unpickler stands in the way
+    meta["files"] = checkpoint._file_sums(path, lambda name: True)  # the sums match: only the unpickler stops it
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(pickle.UnpicklingError, match=rf"may not hold {module}\.{name}"):
         load(path, sharded(mesh))

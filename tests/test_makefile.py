@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def make_n(*args, cwd=ROOT, env=None):
     """What `make -n args` would run (line continuations joined), as a CompletedProcess."""
-    out = subprocess.run([shutil.which("make"), "-n", "--no-print-directory", "-f", str(ROOT / "Makefile"), *args], cwd=cwd,
-                         capture_output=True, text=True, timeout=60, env=env)
+    argv = [shutil.which("make"), "-n", "--no-print-directory", "-f", str(ROOT / "Makefile"), *args]
+    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=60, env=env)
     out.stdout = out.stdout.replace("\\\n", " ")
     return out
 

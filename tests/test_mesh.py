@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
 
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.mesh import hybrid_device_ids, make_mesh, mesh_shape
@@ -48,6 +50,24 @@ def test_hybrid_mesh_keeps_each_slice_together():
     # 2 slices on 'model': each row is [slice 0 part, slice 1 part]
     np.testing.assert_array_equal(hybrid_device_ids((4, 1), (1, 2)), [[0, 4], [1, 5], [2, 6], [3, 7]])
     assert sorted(hybrid_device_ids((2, 2), (2, 1)).flatten()) == list(range(8))
+
+
+@eight_devices
+def test_one_tpu_slice_orders_the_mesh_by_the_chips_torus_coordinates(monkeypatch):
+    """A TPU's device ids need not follow its chips' places on the ICI torus. Faked: 8 chips of a 4 x 2
+    slice (a v5e-8) whose ids are scattered over it. The mesh puts the two devices of each 'model'
+    group (the axis that talks most) on neighbouring chips; consecutive ids would not."""
+    places = [(0, 0), (2, 1), (1, 0), (3, 1), (0, 1), (2, 0), (1, 1), (3, 0)]  # device id -> (x, y) on the slice
+    attributes = [dict(a, coords=[x, y, 0], core_on_chip=0)
+                  for a, (x, y) in zip(xr.global_runtime_device_attributes(), places)]
+    monkeypatch.setattr(xr, "device_type", lambda: "TPU")
+    monkeypatch.setattr(xr, "global_runtime_device_attributes", lambda: [dict(a) for a in attributes])
+    monkeypatch.setattr(xm, "xla_device_hw", lambda device: "TPU")
+    ids = make_mesh((4, 2)).get_logical_mesh()
+    assert sorted(ids.flatten()) == list(range(8))
+    distance = lambda a, b: sum(abs(p - q) for p, q in zip(places[a], places[b]))
+    assert all(distance(a, b) == 1 for a, b in ids)  # each 'model' pair: ICI neighbours
+    assert not all(distance(a, b) == 1 for a, b in np.arange(8).reshape(4, 2))  # what consecutive ids give
 
 
 @pytest.mark.devices

@@ -215,6 +215,8 @@ def test_a_bf16_run_resumes_as_if_never_interrupted(tmp_path, monkeypatch):
     assert resumed.losses == {step: whole.losses[step] for step in (4, 5, 6)}
     state = {k: v.dtype for s in resumed.optimizer.state.values() for k, v in s.items() if v.dim()}
     assert set(state.values()) == {torch.float32} and "master" in state
+    meta = checkpoint.read_meta(checkpoint.latest(run.checkpoint_dir))
+    assert meta["extra"]["dtypes"] == dict(parameters="bf16", compute="bf16", master_weights="fp32")
     cfg, mesh, _ = setup(SMALL)
     assert set(step_dots(resumed.model, cfg, mesh)) == {"bf16"}
 
@@ -296,9 +298,10 @@ def test_a_crash_mid_save_resumes_exactly_from_the_previous_checkpoint(tmp_path,
     final = [[line.split(";")[0] for line in out.splitlines() if line.startswith("step 8:")]
              for out in (resumed, capsys.readouterr().out)]
     assert final[0] and final[0] == final[1]
-    # the final weights and optimizer state, byte for byte: the same shard file
-    sums = [checkpoint.read_meta(d / "step_00000008")["files"]["__0_0.distcp"] for d in (tmp_path / "run", tmp_path / "whole")]
-    assert sums[0] == sums[1]
+    # the final weights and optimizer state, byte for byte: the same shard files
+    sums = [{name: entry for name, entry in checkpoint.read_meta(d / "step_00000008")["files"].items()
+             if name.endswith(".distcp")} for d in (tmp_path / "run", tmp_path / "whole")]
+    assert len(sums[0]) == checkpoint.THREADS and sums[0] == sums[1]
 
 
 def test_gradient_checkpointing_gives_the_same_losses():
