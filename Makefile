@@ -1,9 +1,10 @@
 # make tour:           run every notebook on this machine (the CPU stands in for a TPU slice)
-# make test:           pytest + nbval over the committed notebooks (8 devices), and every notebook
+# make test:           pytest + nbval over the committed notebooks (8 devices), and notebooks 01-04
 #                      executed on 4 devices (a v4-8 / v5e-4 TPU VM's count): asserts, no output comparison.
-#                      Its four parts run two at a time (TEST_PARTS below). On a TPU VM: the TPU plan (below).
+#                      Its five parts run two at a time (TEST_PARTS below). On a TPU VM: the TPU plan (below).
 # make check-variants: what CI leaves out: nbval on another instruction set and on one thread,
-#                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices,
+#                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices
+#                      (and 05-07 on 4),
 #                      and the tests and notebooks in bf16 (what a TPU runs by default)
 # All create .venv from pyproject.toml on first use.
 PY := .venv/bin/python
@@ -43,25 +44,30 @@ EXTRAS := dev,scan$(if $(TPU),$(comma)tpu)
 # the notebooks then write under outputs/ and save no figures); tests/test_makefile.py checks it.
 notebook_env = LLAMA_XLA_OUTPUTS=$(CURDIR)/$(1) LLAMA_XLA_FIGURES=$(CURDIR)/$(1)/figures
 
-# Execute every notebook into folder $(1) (asserts must hold; outputs are not compared), the notebooks'
-# checkpoints and figures there too. $(2): variables added to the tour's; a run at another device count
-# adds CPU_NUM_DEVICES and nothing else (the count is what it varies), the bf16 run its dtype.
+# Execute notebooks $(3) (default: all) into folder $(1) (asserts must hold; outputs are not compared),
+# the notebooks' checkpoints and figures there too. $(2): variables added to the tour's; a run at another
+# device count adds CPU_NUM_DEVICES and nothing else (the count is what it varies), the bf16 run its dtype.
 define execute_all
-	$(TIMED) mkdir -p $(1) && for nb in $(NOTEBOOKS); do echo "$$nb $(2)"; \
+	$(TIMED) mkdir -p $(1) && for nb in $(or $(3),$(NOTEBOOKS)); do echo "$$nb $(2)"; \
 		$(2) $(call notebook_env,$(1)) $(EXECUTE) --log-level=ERROR --output-dir $(1) $$nb || exit 1; done
 endef
 # Put in front of a part's one command line: prints the part's wall time when it ends, whatever its status.
 TIMED = @start=$$(date +%s); trap 'echo "$@: $$(($$(date +%s) - start)) s"' EXIT;
 
-# pytest in two processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
-# compiling every test's graphs crashed near the end (a segfault) once the scan tests were added.
-TESTS_A := $(sort $(wildcard tests/test_[a-m]*.py))
-TESTS_B := $(sort $(wildcard tests/test_[n-z]*.py))
+# pytest in three processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
+# compiling too many tests' graphs aborts (a segfault once the scan tests came, an abort with the bf16 ones).
+TESTS_A := $(sort $(wildcard tests/test_[a-f]*.py))
+TESTS_B := $(sort $(wildcard tests/test_[g-r]*.py))
+TESTS_C := $(sort $(wildcard tests/test_[s-z]*.py))
 
-# Each part is one process that keeps about one core busy (XLA:CPU compiles a program on one thread),
+# The 4-device run in make test: the notebooks whose checks change most with the device count (meshes,
+# sharding, the training mesh, tensor-parallel decoding). check-variants runs the others at 4 too.
+NOTEBOOKS_AT_4 := $(filter notebooks/01_% notebooks/02_% notebooks/03_% notebooks/04_%,$(NOTEBOOKS))
+
+# Each part is one process that keeps a core or more busy (XLA:CPU compiles a program on one thread),
 # so on a 2-core machine two at a time take about half the time; the longest two start first.
 # --output-sync prints each part's output whole, when it ends.
-TEST_PARTS := test-nbval test-devices-4 test-pytest-b test-pytest-a
+TEST_PARTS := test-nbval test-devices-4 test-pytest-c test-pytest-b test-pytest-a
 .PHONY: $(TEST_PARTS) test-tpu
 
 ifeq ($(TPU),)
@@ -72,28 +78,31 @@ else
 # start a child process opening the device skip themselves), then every notebook executed: asserts, no
 # comparison with the committed outputs, which a CPU wrote (a TPU's last digits and timings differ).
 test: .venv/installed
-	$(TIMED) $(MAKE) --no-print-directory test-pytest-a test-pytest-b test-tpu
+	$(TIMED) $(MAKE) --no-print-directory test-pytest-a test-pytest-b test-pytest-c test-tpu
 endif
 
 # No CPU_NUM_DEVICES: init_runtime's default (8) is what the committed outputs were written with.
 test-nbval:
 	$(TIMED) $(call notebook_env,outputs/nbval) $(NBVAL) $(NOTEBOOKS)
 test-devices-4:
-	$(call execute_all,outputs/devices-4,CPU_NUM_DEVICES=4)
+	$(call execute_all,outputs/devices-4,CPU_NUM_DEVICES=4,$(NOTEBOOKS_AT_4))
 test-tpu:
 	$(call execute_all,outputs/tpu)
 test-pytest-a:
 	$(TIMED) $(PY) -m pytest -q $(TESTS_A)
 test-pytest-b:
 	$(TIMED) $(PY) -m pytest -q $(TESTS_B)
+test-pytest-c:
+	$(TIMED) $(PY) -m pytest -q $(TESTS_C)
 
 # The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS). The bf16 parts
 # run what a TPU runs by default (LLAMA_XLA_DEFAULT_DTYPE=bf16): every test (those whose point is fp32
 # equality pin fp32) and every notebook (asserts only).
 VARIANT_DEVICES := variant-devices-1 variant-devices-4 variant-devices-16
 VARIANT_NOTEBOOKS := variant-notebooks-1 variant-notebooks-16
-VARIANT_BF16 := variant-bf16-notebooks variant-bf16-tests-a variant-bf16-tests-b
-VARIANT_PARTS := variant-one-thread variant-avx2 $(VARIANT_BF16) $(VARIANT_NOTEBOOKS) $(VARIANT_DEVICES)
+VARIANT_BF16 := variant-bf16-notebooks variant-bf16-tests-a variant-bf16-tests-b variant-bf16-tests-c
+VARIANT_PARTS := variant-one-thread variant-avx2 $(VARIANT_BF16) $(VARIANT_NOTEBOOKS) variant-notebooks-4-rest \
+	$(VARIANT_DEVICES)
 .PHONY: $(VARIANT_PARTS)
 
 check-variants: .venv/installed
@@ -106,6 +115,8 @@ variant-one-thread:
 	$(TIMED) $(call notebook_env,outputs/one-thread) taskset -c 0 $(NBVAL) $(NOTEBOOKS)
 $(VARIANT_NOTEBOOKS): variant-notebooks-%:
 	$(call execute_all,outputs/devices-$*,CPU_NUM_DEVICES=$*)
+variant-notebooks-4-rest:
+	$(call execute_all,outputs/devices-4-rest,CPU_NUM_DEVICES=4,$(filter-out $(NOTEBOOKS_AT_4),$(NOTEBOOKS)))
 $(VARIANT_DEVICES): variant-devices-%:
 	$(TIMED) CPU_NUM_DEVICES=$* $(PY) -m pytest -q -m devices tests/
 variant-bf16-notebooks:
@@ -114,6 +125,8 @@ variant-bf16-tests-a:
 	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_A)
 variant-bf16-tests-b:
 	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_B)
+variant-bf16-tests-c:
+	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_C)
 
 # One line per notebook (its seconds and the figures it wrote); the kernels' messages (Jupyter's
 # notices, XLA's C++ warnings) go to outputs/tour.log, whose tail is printed if a notebook fails.
