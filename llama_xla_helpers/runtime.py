@@ -43,7 +43,7 @@ DTYPE_VAR = "LLAMA_XLA_DEFAULT_DTYPE"  # "fp32" | "bf16": what default_dtype() r
 CHIP_PREFIXES = (("v5litepod", "tpu-v5e"), ("v5-lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
                  ("v5p", "tpu-v5p"), ("v6e", "tpu-v6e"), ("v4", "tpu-v4"))
 # torch_xla releases whose TPU client cannot load the persistent compile cache it writes (pytorch/xla
-# issue 9094, fixed by PR 9759 after 2.9.0): init_runtime skips the cache there unless this variable is 1.
+# issue 9094; PR 9759 addresses it after 2.9.0): init_runtime skips the cache there unless this variable is 1.
 CACHE_CANNOT_LOAD_ON_TPU = ("2.9.0",)
 FORCE_CACHE_VAR = "LLAMA_XLA_FORCE_COMPILE_CACHE"
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/accelerator-type"
@@ -168,7 +168,7 @@ def cache_skip_reason(kind, torch_xla_version, forced=None):
     forced = os.environ.get(FORCE_CACHE_VAR) == "1" if forced is None else forced
     if kind == "TPU" and torch_xla_version.split("+")[0] in CACHE_CANNOT_LOAD_ON_TPU and not forced:
         return (f"compile cache skipped: torch_xla {torch_xla_version} on a TPU cannot load what it writes "
-                f"(pytorch/xla#9094, fixed by PR #9759 after 2.9.0); set {FORCE_CACHE_VAR}=1 to use it anyway")
+                f"(pytorch/xla#9094; PR #9759 addresses it after 2.9.0); set {FORCE_CACHE_VAR}=1 to use it anyway")
     return None
 
 
