@@ -54,11 +54,12 @@ endef
 # Put in front of a part's one command line: prints the part's wall time when it ends, whatever its status.
 TIMED = @start=$$(date +%s); trap 'echo "$@: $$(($$(date +%s) - start)) s"' EXIT;
 
-# pytest in three processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
+# pytest in four processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
 # compiling too many tests' graphs aborts (a segfault once the scan tests came, an abort with the bf16 ones).
 TESTS_A := $(sort $(wildcard tests/test_[a-f]*.py))
 TESTS_B := $(sort $(wildcard tests/test_[g-r]*.py))
-TESTS_C := $(sort $(wildcard tests/test_[s-z]*.py))
+TESTS_C := $(sort $(wildcard tests/test_s*.py))
+TESTS_D := $(sort $(wildcard tests/test_[t-z]*.py))
 
 # The 4-device run in make test: the notebooks whose checks change most with the device count (meshes,
 # sharding, the training mesh, tensor-parallel decoding). check-variants runs the others at 4 too.
@@ -67,7 +68,7 @@ NOTEBOOKS_AT_4 := $(filter notebooks/01_% notebooks/02_% notebooks/03_% notebook
 # Each part is one process that keeps a core or more busy (XLA:CPU compiles a program on one thread),
 # so on a 2-core machine two at a time take about half the time; the longest two start first.
 # --output-sync prints each part's output whole, when it ends.
-TEST_PARTS := test-nbval test-devices-4 test-pytest-c test-pytest-b test-pytest-a
+TEST_PARTS := test-nbval test-devices-4 test-pytest-c test-pytest-d test-pytest-b test-pytest-a
 .PHONY: $(TEST_PARTS) test-tpu
 
 ifeq ($(TPU),)
@@ -78,7 +79,7 @@ else
 # start a child process opening the device skip themselves), then every notebook executed: asserts, no
 # comparison with the committed outputs, which a CPU wrote (a TPU's last digits and timings differ).
 test: .venv/installed
-	$(TIMED) $(MAKE) --no-print-directory test-pytest-a test-pytest-b test-pytest-c test-tpu
+	$(TIMED) $(MAKE) --no-print-directory test-pytest-a test-pytest-b test-pytest-c test-pytest-d test-tpu
 endif
 
 # No CPU_NUM_DEVICES: init_runtime's default (8) is what the committed outputs were written with.
@@ -94,6 +95,8 @@ test-pytest-b:
 	$(TIMED) $(PY) -m pytest -q $(TESTS_B)
 test-pytest-c:
 	$(TIMED) $(PY) -m pytest -q $(TESTS_C)
+test-pytest-d:
+	$(TIMED) $(PY) -m pytest -q $(TESTS_D)
 
 # The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS). The bf16 parts
 # run what a TPU runs by default (LLAMA_XLA_DEFAULT_DTYPE=bf16): every test (those whose point is fp32
