@@ -50,6 +50,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner, prime_optimizer
 from transformers import LlamaForCausalLM
+from transformers.utils import logging as hf_logging
 
 from .model import safetensors_files
 
@@ -562,7 +563,8 @@ def export_hf(model, out_dir, dtype=None):
     torch_xla.sync()
     weights = {n: t.cpu().to(dtype or t.dtype) for n, t in model.state_dict().items()}
     if xr.process_index() == 0:
-        model.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+        with _no_progress_bar():
+            model.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
         if dtype is not None:  # config.json names the model's dtype: say what the weights are
             file = Path(out_dir) / "config.json"
             config = json.loads(file.read_text())
@@ -576,10 +578,24 @@ def load_hf(path):
         raise ValueError(f"{str(path)!r} has no config.json; pass a local folder written by export_hf or "
                          f"save_pretrained (load_hf never downloads)")
     try:
-        return LlamaForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        with _no_progress_bar():
+            return LlamaForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     except OSError as e:
         raise ValueError(f"{str(path)!r} has a config.json but no readable weights ({e}); "
                          f"re-export it with export_hf") from None
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """Transformers' "Loading weights" / "Writing model shards" bars off inside the block (a widget in a
+    notebook, noise in a log), then as they were."""
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def hf_reader(path, dtype=torch.float32):

@@ -8,6 +8,7 @@ import fsspec
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers.utils import logging as hf_logging
 import torch_xla
 import torch_xla.runtime as xr
 from util import hf_model
@@ -176,15 +177,18 @@ def test_keep_deletes_all_but_the_newest(mesh, tmp_path):
         save(tmp_path, 50, model, extra=dict(mesh=mesh))
 
 
-def test_export_hf_matches_sharded_logits(mesh, tmp_path):
+def test_export_hf_matches_sharded_logits(mesh, tmp_path, capfd):
     model = sharded(mesh)
     shard_activations(model, mesh)
     ids = torch.randint(0, 264, (8, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids.to(torch_xla.device())).logits.cpu()
+    capfd.readouterr()
     export_hf(model, tmp_path / "hf")
     hf = load_hf(tmp_path / "hf")
     assert hf.dtype == torch.float32 and next(hf.parameters()).device.type == "cpu"
+    assert "it/s]" not in capfd.readouterr().err  # no progress bar, writing or loading (a widget in a notebook)
+    assert hf_logging.is_progress_bar_enabled()  # and the setting is left as it was
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, expected, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="no config.json"):
