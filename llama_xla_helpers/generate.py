@@ -265,6 +265,26 @@ def cut_at_eos(tokens, eos_id):
     return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 
 
+@torch.no_grad()
+def greedy_check(model, prompt, tokens, margin):
+    """Are `tokens`, generated after `prompt` (lists of ids), `model`'s greedy choices? Teacher-forced:
+    one forward over prompt + tokens, so one flipped token does not derail the rest.
+
+    Returns (differ, near_ties): the positions where `model`'s top-1 is another token while its top
+    two logits are at least `margin` apart (real differences), and how many positions were skipped
+    because they are closer. Another sharding, dtype or backend rounds differently and may flip such
+    a near-tie; it cannot flip a clear choice. The model's batch and cache must hold the sequence."""
+    device = model.embed_tokens.weight.device
+    seq = torch.tensor([prompt + tokens], device=device)  # (1, seqlen)
+    logits = model(seq, torch.arange(seq.shape[1], device=device))[0, len(prompt) - 1:-1]  # (n, vocab)
+    torch_xla.sync()  # with the model's cache writes, which a later sync would compile into another graph
+    logits = logits.cpu()
+    top2 = logits.topk(2, dim=-1).values  # (n, 2)
+    tie = top2[:, 0] - top2[:, 1] < margin
+    wrong = logits.argmax(-1) != torch.tensor(tokens)
+    return (wrong & ~tie).nonzero().flatten().tolist(), int(tie.sum())
+
+
 # --- Text in, text out ---------------------------------------------------------------------
 
 def load_tokenizer(path):

@@ -116,7 +116,8 @@ def shard_params(model, mesh, strategy="2d", init=None):
 
     Every spec is checked before anything moves. Parameters go one at a time, each device
     receiving only its shard; those still on the meta device are created by
-    `init(name, shape)` (a CPU tensor) first, so the full unsharded model never exists.
+    `init(name, shape)` first (a CPU tensor, or `read(index)` for `to_sharded`, which asks it for
+    this host's blocks only), so the full unsharded model never exists.
     nn.Linear layers are swapped for torch_xla's einsum Linear (the post's first caveat:
     matmul flattens sharded dims and hurts sharding propagation).
     """

@@ -9,6 +9,7 @@ devices there are; `--mesh 4,2` fixes it, `--slices 2` spans 2 slices of a multi
 """
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import signal
@@ -137,16 +138,40 @@ class Adafactor(torch.optim.Optimizer):
                     p.copy_(w)  # rounded to p's dtype
 
 
-def init_weights(config, seed, dtype=torch.float32):
-    """`init(name, shape)`: HF Llama's init (normal(0, initializer_range), norms at 1) from a CPU
-    generator, drawn in fp32 (the same numbers whatever the dtype), then cast to `dtype`."""
-    gen = torch.Generator().manual_seed(seed)
+INIT_ROWS = 64  # rows per random-init chunk, each drawn from its own generator
 
+
+def init_weights(config, seed, dtype=torch.float32):
+    """`init(name, shape)` for `sharding.shard_params`: HF Llama's init (normal(0, initializer_range),
+    norms at 1), as `read(index)` functions, so each host draws only the blocks its devices hold.
+
+    Each chunk of INIT_ROWS rows of a tensor comes from its own CPU generator, seeded by (seed, name,
+    chunk), in fp32 (the same numbers whatever the dtype), then cast to `dtype`. So the weights do not
+    depend on the mesh or the number of hosts, and a block costs the chunks its rows overlap, not the
+    whole tensor (minutes per host at 70B). A single generator for the whole model cannot do this: its
+    stream cannot be entered at a block, so each host would draw every full tensor to slice its own.
+    `read()` (no index) returns the whole tensor."""
     def init(name, shape):
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=dtype)
-        return torch.empty(shape).normal_(0.0, config.initializer_range, generator=gen).to(dtype)
+        def read(index=None):
+            index = tuple(slice(0, n) for n in shape) if index is None else index  # a slice per dim
+            if name.endswith("norm.weight"):
+                return torch.ones(tuple(s.stop - s.start for s in index), dtype=dtype)
+            rows = index[0]
+            first, last = rows.start // INIT_ROWS, -(-rows.stop // INIT_ROWS)  # the chunks these rows overlap
+            chunks = torch.cat([init_chunk(config, seed, name, shape, c) for c in range(first, last)])
+            block = chunks[rows.start - first * INIT_ROWS:rows.stop - first * INIT_ROWS]
+            return block[(slice(None), *index[1:])].to(dtype)
+        read.shape = tuple(shape)
+        return read
     return init
+
+
+def init_chunk(config, seed, name, shape, chunk):
+    """Rows chunk * INIT_ROWS ... of the tensor `name` (fp32), from a generator keyed by (seed, name, chunk)."""
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/{chunk}".encode()).digest()[:8], "little") >> 1
+    rows = min(INIT_ROWS, shape[0] - chunk * INIT_ROWS)
+    gen = torch.Generator().manual_seed(key)
+    return torch.empty((rows, *shape[1:])).normal_(0.0, config.initializer_range, generator=gen)
 
 
 def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch.float32):

@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer
-from llama_xla_helpers.generate import (Generator, generate_text, llama3_chat, load_tokenizer,
+from llama_xla_helpers.generate import (Generator, generate_text, greedy_check, llama3_chat, load_tokenizer,
                                         prefill_sections, sample)
 from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
@@ -254,3 +254,18 @@ def test_generate_text_with_local_hf_tokenizer(gen, tmp_path):
     texts, _ = generate_text(gen, tok, [chat, "the cat"], max_new_tokens=10)
     tokens, _ = gen.generate([ids, tok.encode("the cat")], 10, eos_id=tok.eos_token_id)
     assert texts == [tok.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+def test_greedy_check_finds_a_changed_token_and_skips_near_ties():
+    gen = Generator(Llama.from_hf(hf_model(tiny()), max_batch_size=1, max_seq_len=64), buckets=(16,))
+    model, prompt = gen.model, prompts((8,))[0]
+    tokens = gen.generate([prompt], 24)[0][0]
+    assert greedy_check(model, prompt, tokens, margin=1e-4)[0] == []  # its own greedy tokens
+    dev = model.embed_tokens.weight.device
+    logits = model(torch.tensor([prompt + tokens], device=dev), torch.arange(32, device=dev))[0, 7:-1].cpu()
+    top2 = logits.topk(2, dim=-1)  # (24, 2) at the positions that predict the 24 tokens
+    gaps = top2.values[:, 0] - top2.values[:, 1]
+    i = int(gaps.argmax())  # the clearest choice
+    changed = tokens[:i] + [int(top2.indices[i, 1])] + tokens[i + 1:]  # its runner-up instead
+    assert greedy_check(model, prompt, changed, margin=1e-4)[0][0] == i  # (the later ones follow another prefix)
+    assert greedy_check(model, prompt, changed, margin=1e3) == ([], 24)  # every position a near-tie: skipped

@@ -12,7 +12,7 @@ from llama_xla_helpers.hlo import BUFFER_ASSIGNMENT, compiled_hlo, instructions,
 from llama_xla_helpers.mesh import mesh_shape
 from llama_xla_helpers.sharding import shard_shape
 from llama_xla_helpers.train import TrainConfig, build_model, first_batch, forward_loss, prepare_layers, setup, train
-from test_train import SMALL, cpu_losses
+from test_train import SMALL_FP32, cpu_losses
 from util import N
 
 MESH = mesh_shape(N, get_config("tiny"))  # the automatic pick: both axes used where the device count allows
@@ -21,8 +21,8 @@ MESH = mesh_shape(N, get_config("tiny"))  # the automatic pick: both axes used w
 @pytest.mark.devices
 @pytest.mark.parametrize("strategy, recompute", [("2d", False), ("fsdp", True)])
 def test_scanned_layers_train_like_the_unrolled_model(strategy, recompute):
-    cfg = dataclasses.replace(SMALL, steps=5, strategy=strategy, mesh=MESH if strategy == "2d" else (N, 1),
-                              scan_layers=True, gradient_checkpointing=recompute)
+    cfg = dataclasses.replace(SMALL_FP32, steps=5, strategy=strategy, mesh=MESH if strategy == "2d" else (N, 1),
+                                 scan_layers=True, gradient_checkpointing=recompute)
     result = train(cfg)
     want = cpu_losses(cfg)  # the unrolled Hugging Face model, unsharded, in plain PyTorch
     assert list(result.losses) == list(want)

@@ -95,8 +95,9 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    running = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", ",".join(map(str, BUCKETS))],
-                            tmp_path_factory.mktemp("log") / "server.log")
+    # fp32 whatever LLAMA_XLA_DEFAULT_DTYPE says: the point is equality with `expected` (fp32)
+    running = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", ",".join(map(str, BUCKETS)),
+                             "--dtype", "fp32"], tmp_path_factory.mktemp("log") / "server.log")
     yield running
     running.stop()
 

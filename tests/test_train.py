@@ -12,17 +12,21 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import LlamaForCausalLM
 from transformers.optimization import Adafactor as HFAdafactor
 
-from llama_xla_helpers import checkpoint
+from llama_xla_helpers import checkpoint, train as train_module
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, train_val_split
 from llama_xla_helpers.hlo import dot_dtypes
 from llama_xla_helpers.sharding import sharded_loader
 from llama_xla_helpers.train import (DTYPES, Adafactor, TrainConfig, _parse_args, build_model, first_batch, forward_loss,
-                                     init_weights, main, setup, should_stop, stop_signals, train, train_step)
+                                     init_chunk, init_weights, main, setup, should_stop, stop_signals, train,
+                                     train_step)
 from util import N, shapes_2d
 
 # Small and quick: 2 steps compile, the rest reuse the graph. The mesh is picked for the devices there are.
 SMALL = TrainConfig(steps=4, batch_size=max(8, N), seq_len=32, eval_batches=2)
+# For the tests whose point is equality with the fp32 CPU reference (cpu_losses): fp32 whatever
+# LLAMA_XLA_DEFAULT_DTYPE says (check-variants runs every test with it set to bf16).
+SMALL_FP32 = dataclasses.replace(SMALL, dtype="fp32")
 
 
 def cpu_losses(cfg):
@@ -32,12 +36,30 @@ def cpu_losses(cfg):
     init = init_weights(config, cfg.seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(init(name, tuple(p.shape)))
+            p.copy_(init(name, tuple(p.shape))())  # read(): the whole tensor
     optimizer = Adafactor(model.parameters(), lr=cfg.lr)
     train_ids, _ = train_val_split(load_corpus(), cfg.seq_len)
     sampler = StepSampler(len(train_ids), cfg.batch_size, cfg.seed, 0, cfg.steps)
     loader = DataLoader(TensorDataset(train_ids), batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
     return {step: train_step(model, optimizer, ids).item() for step, (ids,) in enumerate(loader, 1)}
+
+
+def test_random_init_draws_each_block_alone_from_keyed_row_chunks(monkeypatch):
+    config = get_config("tiny")
+    init = init_weights(config, seed=0)
+    w = init("model.layers.0.mlp.gate_proj.weight", (384, 128))()  # (out, in): 6 chunks of 64 rows
+    assert w.shape == (384, 128) and abs(w.std().item() - config.initializer_range) < 0.1 * config.initializer_range
+    drawn = []
+    monkeypatch.setattr(train_module, "init_chunk", lambda *a: drawn.append(a[-1]) or init_chunk(*a))
+    block = (slice(100, 150), slice(32, 64))  # rows inside chunk 1 and 2, a column block
+    assert torch.equal(init("model.layers.0.mlp.gate_proj.weight", (384, 128))(block), w[block])
+    assert drawn == [1, 2]  # only the chunks its rows overlap
+    assert torch.equal(init("model.layers.0.mlp.gate_proj.weight", (384, 128))(), w)  # the same numbers every time
+    assert not torch.equal(init("model.layers.0.mlp.up_proj.weight", (384, 128))(), w)  # keyed by name
+    assert not torch.equal(init_weights(config, seed=1)("model.layers.0.mlp.gate_proj.weight", (384, 128))(), w)
+    assert torch.equal(init("model.norm.weight", (128,))((slice(16, 32),)), torch.ones(16))
+    bf16 = init_weights(config, seed=0, dtype=torch.bfloat16)("model.layers.0.mlp.gate_proj.weight", (384, 128))()
+    assert torch.equal(bf16, w.bfloat16())
 
 
 def test_byte_tokenizer_round_trip():
@@ -114,7 +136,7 @@ def test_training_compiles_two_graphs_however_many_steps(strategy, mesh):
 def test_same_seed_same_losses():
     a, b = train(SMALL), train(SMALL)
     assert a.losses == b.losses and a.val_losses == b.val_losses
-    seed1 = dataclasses.replace(SMALL, seed=1)  # another init and another batch order
+    seed1 = dataclasses.replace(SMALL_FP32, seed=1)  # another init and another batch order
     c, want = train(seed1).losses, cpu_losses(seed1)
     assert all(c[s] == pytest.approx(want[s], abs=2e-4) for s in want)  # follows the seed's own reference
     assert all(abs(c[s] - a.losses[s]) > 1e-3 for s in want)
@@ -123,7 +145,7 @@ def test_same_seed_same_losses():
 @pytest.mark.devices
 @pytest.mark.parametrize("strategy, mesh", [("2d", shape) for shape in shapes_2d()] + [("fsdp", (N, 1))])
 def test_sharded_training_matches_unsharded(strategy, mesh):
-    cfg = dataclasses.replace(SMALL, strategy=strategy, mesh=mesh)
+    cfg = dataclasses.replace(SMALL_FP32, strategy=strategy, mesh=mesh)
     want = cpu_losses(cfg)
     got = train(cfg).losses
     assert list(got) == list(want)
@@ -137,7 +159,7 @@ def test_two_slices_train_like_one_device():
     """--slices 2: a leading 'dcn' axis; weights sharded inside each slice, the batch across slices."""
     if N % 2:
         pytest.skip("two slices need an even device count")
-    cfg = dataclasses.replace(SMALL, slices=2)
+    cfg = dataclasses.replace(SMALL_FP32, slices=2)
     result = train(cfg)
     assert result.model.model.embed_tokens.weight.device.type == "xla"
     want = cpu_losses(cfg)
@@ -305,7 +327,7 @@ def test_a_crash_mid_save_resumes_exactly_from_the_previous_checkpoint(tmp_path,
 
 
 def test_gradient_checkpointing_gives_the_same_losses():
-    cfg = dataclasses.replace(SMALL, steps=3)
+    cfg = dataclasses.replace(SMALL_FP32, steps=3)
     assert train(dataclasses.replace(cfg, gradient_checkpointing=True)).losses == pytest.approx(train(cfg).losses, abs=1e-5)
 
 
@@ -330,9 +352,9 @@ def test_bad_training_input():
 
 
 def test_init_from_a_local_folder_starts_from_its_weights(tmp_path):
-    trained = train(dataclasses.replace(SMALL, steps=3))
+    trained = train(dataclasses.replace(SMALL_FP32, steps=3))
     checkpoint.export_hf(trained.model, tmp_path)
-    tuned = train(dataclasses.replace(SMALL, steps=2, init_from=str(tmp_path)))
+    tuned = train(dataclasses.replace(SMALL_FP32, steps=2, init_from=str(tmp_path)))
     cpu = checkpoint.load_hf(tmp_path)  # the exported weights, on the CPU: step 1's loss before any update
     train_ids, _ = train_val_split(load_corpus(), SMALL.seq_len)
     [first] = DataLoader(TensorDataset(train_ids), batch_size=SMALL.batch_size, drop_last=True,
