@@ -95,7 +95,7 @@ $(PYTEST_PARTS): test-pytest-%:
 
 # The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS). The bf16 parts
 # run what a TPU runs by default (LLAMA_XLA_DEFAULT_DTYPE=bf16): every test and every notebook (asserts
-# only). Not all pass yet: tests and checks whose point is fp32 equality do not pin fp32 yet.
+# only); the tests whose point is equality with an fp32 reference pin fp32.
 VARIANT_DEVICES := variant-devices-1 variant-devices-4 variant-devices-16
 VARIANT_NOTEBOOKS := variant-notebooks-1 variant-notebooks-16
 VARIANT_BF16_TESTS := $(PYTEST_PARTS:test-pytest-%=variant-bf16-tests-%)

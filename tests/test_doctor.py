@@ -8,6 +8,7 @@ import pytest
 from llama_xla_helpers import doctor
 from llama_xla_helpers.doctor import (CHECKS, CheckFailed, check_checkpoint_dir, check_compile_cache, check_libtpu_flags,
                                       check_versions, cpu_fallbacks, multi_host_note, one_line, run_checks)
+from llama_xla_helpers.runtime import default_dtype
 
 DOCTOR = [sys.executable, "-m", "llama_xla_helpers.doctor"]
 ENV = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
@@ -28,7 +29,7 @@ def test_every_check_passes_on_4_cpu_devices(tmp_path):
     assert lines[0].startswith(f"PASS versions: python {sys.version.split()[0]}, torch 2.9.0")
     assert "torch_xla 2.9.0, libtpu none, transformers 5.23.0, jax 0.7.1, torchax 0.0.7" in lines[0]
     assert lines[1] == "PASS runtime: CPU, chip None, 4 devices, 1 host"
-    assert "mesh (2, 2), batch 2, seq_len 64, fp32" in lines[3]
+    assert f"mesh (2, 2), batch 2, seq_len 64, {default_dtype()}" in lines[3]  # fp32 here, unless the variable says
     assert lines[-3] == "PASS libtpu flags: LIBTPU_INIT_ARGS unset (libtpu reads it; this is not a TPU)"
     assert lines[-2].startswith(f"PASS checkpoint dir: {tmp_path / 'ckpt'}: this host can write there")
     entries = len(list(cache.iterdir()))  # a cold cache: every program compiled and written
