@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_CPU_DEVICES = 8
 COMPILE_CACHE_VAR = "LLAMA_XLA_COMPILE_CACHE"  # the default of init_runtime's cache_dir
@@ -77,6 +78,29 @@ def select_device():
         os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 
+DUMP_PREFIX = "llama-xla-hlo-"  # + the pid of the process that writes the folder
+
+
+def remove_orphan_dump_dirs():
+    """Remove the temporary HLO dump folders of processes that are gone. A process removes its own
+    at exit, but not when it is killed (a Jupyter kernel that does not stop in time is), and each
+    holds 100s of MB."""
+    for path in Path(tempfile.gettempdir()).glob(f"{DUMP_PREFIX}*-*"):
+        pid = path.name.removeprefix(DUMP_PREFIX).split("-")[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
 def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_readonly=False):
     """Start the XLA runtime in SPMD mode, print what it got (process 0, first call) and return it.
 
@@ -84,7 +108,8 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
     virtual devices: the argument, else the CPU_NUM_DEVICES variable, else 8. Safe to call
     twice; a different explicit `cpu_devices` once the runtime runs is an error.
     `hlo_dump_dir` makes XLA write every compiled module there as text (see `hlo.py`); True
-    means a temporary folder, removed when the process exits (a step's dump can be 100s of MB).
+    means a temporary folder, removed when the process exits (a step's dump can be 100s of MB), or,
+    if it is killed, by the next `init_runtime(hlo_dump_dir=True)` on this machine.
     `cache_dir` (default: the LLAMA_XLA_COMPILE_CACHE variable) keeps compiled programs on disk
     (`xr.initialize_cache`; see the module's notes); `cache_readonly` reads it without writing.
     It must come before anything compiles and stays for the process: calling again with the same
@@ -95,7 +120,8 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
     if cache_dir:
         check_cache_dir(cache_dir, cache_readonly)
     if hlo_dump_dir is True:
-        hlo_dump_dir = tempfile.mkdtemp(prefix="llama-xla-hlo-")
+        remove_orphan_dump_dirs()
+        hlo_dump_dir = tempfile.mkdtemp(prefix=f"{DUMP_PREFIX}{os.getpid()}-")
         atexit.register(shutil.rmtree, hlo_dump_dir, ignore_errors=True)
     if hlo_dump_dir:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

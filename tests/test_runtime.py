@@ -6,6 +6,7 @@ the TPU type variables of a TPU VM (ACCELERATOR_TYPE) or GKE (TPU_ACCELERATOR_TY
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch_xla.runtime as xr
@@ -115,3 +116,17 @@ def test_package_import_leaves_the_device_choice_to_torch_xla_when_chips_are_pre
     monkeypatch.setattr(runtime, "tpu_chips_present", lambda: False)
     runtime.select_device()
     assert os.environ["PJRT_DEVICE"] == "CPU"
+
+
+def test_the_dump_folder_of_a_killed_process_goes_at_the_next_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # tempfile.gettempdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"llama-xla-hlo-{gone.pid}-k1x"  # a process that ended without its atexit
+    orphan.mkdir()
+    (orphan / "module_0001.txt").write_text("HloModule")
+    mine, unknown = tmp_path / f"llama-xla-hlo-{os.getpid()}-a2b", tmp_path / "llama-xla-hlo-a2b"
+    mine.mkdir()
+    unknown.mkdir()  # no pid in the name: not ours to remove
+    runtime.remove_orphan_dump_dirs()
+    assert not orphan.exists() and mine.exists() and unknown.exists()

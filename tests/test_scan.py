@@ -22,7 +22,7 @@ MESH = mesh_shape(N, get_config("tiny"))  # the automatic pick: both axes used w
 @pytest.mark.parametrize("strategy, recompute", [("2d", False), ("fsdp", True)])
 def test_scanned_layers_train_like_the_unrolled_model(strategy, recompute):
     cfg = dataclasses.replace(SMALL_FP32, steps=5, strategy=strategy, mesh=MESH if strategy == "2d" else (N, 1),
-                                 scan_layers=True, gradient_checkpointing=recompute)
+                              scan_layers=True, gradient_checkpointing=recompute)
     result = train(cfg)
     want = cpu_losses(cfg)  # the unrolled Hugging Face model, unsharded, in plain PyTorch
     assert list(result.losses) == list(want)
