@@ -1,36 +1,53 @@
-"""Continuous batching: a fixed set of slots, prefill / insert / one decode step for all slots.
+"""Continuous batching: a fixed set of slots; each step prefills prompt sections and decodes one
+token for every busy slot, as `scheduler.Scheduler` plans it.
 
     engine = Engine(model, slots=4, buckets=(16, 32, 64, 128))
     engine.warmup()                                  # every graph compiles here, once
     req = engine.submit(prompt_tokens, max_tokens=32)
     while not req.done:
-        engine.step()                                # admit waiting requests, decode one token for all
-    req.tokens, req.finish_reason
+        engine.step()                                # run the next plan, read the last step's tokens
+    req.tokens, req.text, req.finish_reason
 
 A `Generator` call runs a batch until its longest row ends: a short request waits for the
 longest, and a new one waits for the whole batch. Here each of the B slots holds one request
-at its own position. Every step decodes one token for all B slots (one compiled graph);
-a request that ends frees its slot, and the next waiting request takes it at once.
-This is JetStream's engine (prefill / insert / generate) in PyTorch/XLA:
+at its own position; a request that ends frees its slot, and the next waiting one takes it.
+This is JetStream's engine (prefill / insert / generate) in PyTorch/XLA, with vLLM's split
+between a scheduler that plans a step within a token budget and the engine that runs it:
 
-- prefill: one request's prompt, left-padded to a bucket, into a one-row KV cache (one graph
-  per bucket; a longer prompt runs section by section, as in `Generator`);
+- prefill: one prompt section (left-padded to a bucket, a long prompt in several, one per
+  step while the others keep decoding) into a one-row KV cache; attention reads the section's
+  own positions (`Llama.forward`'s kv_len), not the whole cache. The last section picks the
+  first token, on the device;
 - insert: copy that cache row into the request's slot of the B-row cache (`index_copy` on
   the slot dimension) and set the slot's state: last token, position, padding, sampling;
-- decode: one token for every slot, each at its own cache position (`model(tokens, input_pos)`
-  with input_pos (B, 1)); a free slot computes too, and its token is ignored.
+- decode: one token for every slot, each at its own cache position (input_pos (B, 1)),
+  attention over the smallest of a few cache lengths that holds every busy slot's position
+  (`scheduler.kv_buckets`); a free slot computes too, and its token is ignored.
+
+The host never waits for the device in between: a step traces and dispatches its graphs, and
+only then reads the previous step's tokens (JetStream's one-step lag), so tracing step n + 1
+overlaps the device running step n. The price: a request that ends on EOS or a stop string
+holds its slot one step longer, and that extra token is dropped. compile=True traces the
+model's forward once per shape with `torch.compile(backend="openxla")` instead of at every
+step (the default on a TPU, where a step takes milliseconds and tracing would dominate); the
+small sampling graph around it stays lazy (compiled with it, sampled tokens came out wrong:
+measured, with torch_xla 2.9).
 
 The compiled shapes never depend on the requests, so after `warmup()` nothing compiles. A
 compile after warm-up (a new shape, or a Python value baked into a graph) raises
 `RecompileError` instead of silently costing seconds per step (vLLM's recompile check).
 
-Sampling is per slot (temperature, top-p and a seed as device tensors) and draws its noise
-from (seed, position), so a request samples the same tokens whatever shares the batch.
+Sampling is per slot (temperature, top-k, top-p and a seed as device tensors) and draws its
+noise from (seed, position), so a request samples the same tokens whatever shares the batch.
+It first keeps the SAMPLE_TOP_K most likely tokens (vLLM's and JetStream's TPU samplers bound
+the vocabulary the same way), so no step sorts the vocabulary; when every busy slot is greedy,
+the step is an argmax. Text grows incrementally (`detokenize.TextStream`).
 
-Sources: JetStream's engine API (prefill, insert, generate), https://github.com/AI-Hypercomputer/JetStream;
-"The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B on PyTorch/XLA", PyTorch blog,
-https://pytorch.org/blog/path-achieve-low-inference-latency/; vLLM's check for compilations after
-warm-up, https://github.com/vllm-project/vllm/issues/14580
+Sources: JetStream's engine API (prefill, insert, generate) and its one-step lag,
+https://github.com/AI-Hypercomputer/JetStream; vLLM v1's scheduler and model runner,
+https://github.com/vllm-project/vllm; "The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B
+on PyTorch/XLA", PyTorch blog, https://pytorch.org/blog/path-achieve-low-inference-latency/; vLLM's check
+for compilations after warm-up, https://github.com/vllm-project/vllm/issues/14580
 """
 import collections
 import dataclasses
@@ -42,11 +59,17 @@ import time
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
 
-from .generate import check_buckets, check_request, mark_replicated, prefill_sections, replicator
+from .detokenize import TextStream
+from .generate import check_buckets, check_request, mark_replicated, replicator
 from .mesh import make_mesh
 from .metrics import count_compiles
 from .model import KVCache
+from .scheduler import Request, Scheduler, kv_buckets, prefill_sections, prefill_shapes
+
+SAMPLE_TOP_K = 64  # sampling draws from at most this many of the most likely tokens
+TOP_LOGPROBS = 20  # alternatives a token's log-probabilities can list (OpenAI's limit)
 
 
 class QueueFull(RuntimeError):
@@ -55,30 +78,6 @@ class QueueFull(RuntimeError):
 
 class RecompileError(RuntimeError):
     """A graph compiled after warm-up."""
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    prompt: list
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: tuple = ()
-    callback: object = None  # callback(request), in the engine's thread: after each new token, and at the end
-    id: int = 0
-    tokens: list = dataclasses.field(default_factory=list)  # generated so far (an EOS is kept)
-    text: str = None  # decode(tokens), cut before the first stop string (None without `decode`)
-    finish_reason: str = None  # "stop" (EOS or a stop string), "length" (max_tokens), "cancelled"
-    slot: int = None
-    cancelled: bool = False
-    submitted_at: float = 0.0
-    first_token_at: float = None
-    finished_at: float = None
-
-    @property
-    def done(self):
-        return self.finish_reason is not None
 
 
 # --- The three graphs -----------------------------------------------------------------------
@@ -93,48 +92,92 @@ def uniform(seed, pos, n):
     return ((x >> 8).float() + 0.5) / 2 ** 24  # 24 bits: exact in fp32, never 0 or 1
 
 
-def sample_rows(logits, temperature, top_p, seed, pos):
+def sample_rows(logits, temperature, top_p, seed, pos, top_k=None):
     """Next token per row (B,) from logits (B, vocab_size), each row with its own temperature,
-    top_p (B,) fp32 and seed (B,) int64: greedy where temperature is 0, else top-p sampling."""
+    top_p (B,) fp32, seed (B,) int64 and top_k (B,) int64 (0 or None: SAMPLE_TOP_K): greedy where
+    temperature is 0, else top-k, then top-p, sampling."""
     greedy = logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature.clamp(min=1e-6)[:, None], dim=-1)
-    probs_sort, order = probs.sort(dim=-1, descending=True)  # (B, vocab_size)
-    drop = probs_sort.cumsum(dim=-1) - probs_sort > top_p[:, None]  # the nucleus, as in generate.sample
-    probs_sort = probs_sort.masked_fill(drop, 0.0)
+    k = min(SAMPLE_TOP_K, logits.shape[-1])
+    top, order = logits.topk(k, dim=-1)  # (B, k), most likely first: no sort of the vocabulary
+    if top_k is not None:
+        rank = torch.arange(k, device=logits.device)
+        top = top.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
+    probs = torch.softmax(top / temperature.clamp(min=1e-6)[:, None], dim=-1)
+    drop = probs.cumsum(dim=-1) - probs > top_p[:, None]  # the nucleus, as in generate.sample
+    probs = probs.masked_fill(drop, 0.0)
     # The exponential race: argmax(p / E) with E ~ Exp(1) (E = -log U) draws index i with probability p_i.
-    pick = (probs_sort / -uniform(seed, pos, logits.shape[-1]).log()).argmax(dim=-1)  # (B,)
+    pick = (probs / -uniform(seed, pos, k).log()).argmax(dim=-1)  # (B,)
     sampled = order.gather(-1, pick[:, None])[:, 0]
     return torch.where(temperature > 0, sampled, greedy)
 
 
-def prefill_step(model, pin, tokens, input_pos, pad, row):
-    """One prompt section: tokens (1, n) at cache slots input_pos (n,) of the one-row cache.
-    row (1, 4) int64 holds [last token, position, pad, seed] and (1, 2) fp32 sampling comes
-    with it; returns the next token (1,) (only the last section's counts)."""
+def logprobs_of(logits, tokens):
+    """Log-probabilities of tokens (...) under logits (..., vocab_size), and the TOP_LOGPROBS
+    most likely tokens' (values, ids), each (..., TOP_LOGPROBS)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(min(TOP_LOGPROBS, lp.shape[-1]), dim=-1)
+    return lp.gather(-1, tokens[..., None])[..., 0], top.values, top.indices
+
+
+def forward_logits(model, tokens, input_pos, pad, kv_len, every=False):
+    """The model's forward (the step's bulk; compile=True compiles this): the logits of the last
+    position (bsz, vocab_size), or of every position (bsz, seqlen, vocab_size) if `every`."""
+    logits = model(tokens, input_pos, pad, kv_len)
+    return logits if every else logits[:, -1]
+
+
+def prefill_step(forward, model, pin, tokens, input_pos, pad, row, kv_len, targets=None):
+    """One prompt section: tokens (1, n) at cache slots input_pos (n,) of the one-row cache,
+    attention over its first kv_len slots. row: ints (1, 5) [last token, position, pad, seed,
+    top_k] and floats (1, 2) [temperature, top_p]. Returns the next token (1,) and its
+    `logprobs_of` (only the last section's count), and with targets (1, n) (the next prompt
+    token at each position) their `logprobs_of` each (n, ...), else None."""
     ints, floats = row
-    logits = model(tokens, input_pos, pad)[:, -1]  # (1, vocab_size)
-    return pin(sample_rows(logits, floats[:, 0], floats[:, 1], ints[:, 3], input_pos[-1:]))
+    logits = forward(model, tokens, input_pos, pad, kv_len, every=targets is not None)
+    prompt = None
+    if targets is not None:  # logits: (1, n, vocab_size)
+        prompt, logits = tuple(map(pin, logprobs_of(logits[0], targets[0]))), logits[:, -1]
+    first = sample_rows(logits, floats[:, 0], floats[:, 1], ints[:, 3], input_pos[-1:], ints[:, 4])  # (1,)
+    return pin(first), tuple(map(pin, logprobs_of(logits, first))), prompt
 
 
-def insert(decode_caches, prefill_caches, state, slot, row):
+def insert(decode_caches, prefill_caches, state, slot, row, first):
     """Copy the one-row cache into slot `slot` (1,) of every layer's (B, ...) cache and set the
-    slot's state: ints (B, 4) [last token, position, pad, seed], floats (B, 2) [temperature, top_p]."""
+    slot's state: ints (B, 5) [last token, position, pad, seed, top_k], floats (B, 2)
+    [temperature, top_p], with the prefill's first token (1,) as the last token."""
     for d, p in zip(decode_caches, prefill_caches):
         d.k_cache.index_copy_(0, slot, p.k_cache)  # (B, max_seq_len, n_kv_heads, head_dim)
         d.v_cache.index_copy_(0, slot, p.v_cache)
+    ints, floats = row
+    row = (torch.cat([first[:, None], ints[:, 1:]], dim=-1), floats)
     return tuple(s.index_copy(0, slot, r) for s, r in zip(state, row))
 
 
-def decode_step(model, pin, state, active, greedy):
-    """One token for every slot, each at its own position; a free slot's (active False) is
-    ignored and its position stays. greedy (a Python bool: two graphs) skips the sampling's
-    softmax and sort over the vocabulary when no busy slot samples. Returns (new tokens (B,), new state)."""
+def decode_step(forward, model, pin, state, greedy, kv_len, max_seq_len):
+    """One token for every slot, each at its own position, attention over the first kv_len cache
+    slots. Every busy slot decodes (the scheduler sees to it); a free slot computes too, its token
+    is ignored, and insert resets it. greedy (a Python bool: two graphs) is a bare argmax, for when
+    no busy slot samples or asks for log-probabilities. Returns (new tokens (B,), their
+    `logprobs_of` (None if greedy), new state)."""
     ints, floats = state
-    tokens, pos, pad, seed = ints.unbind(dim=-1)  # each (B,)
-    logits = model(tokens[:, None], pos[:, None], pad)[:, -1]  # (B, vocab_size)
-    nxt = logits.argmax(dim=-1) if greedy else sample_rows(logits, floats[:, 0], floats[:, 1], seed, pos)
-    ints = torch.stack([nxt, pos + active.long(), pad, seed], dim=-1)  # (B, 4)
-    return pin(nxt), (pin(ints), pin(floats))
+    tokens, pos, pad, seed, top_k = ints.unbind(dim=-1)  # each (B,)
+    logits = forward(model, tokens[:, None], pos[:, None], pad, kv_len)  # (B, vocab_size)
+    if greedy:
+        nxt, logprobs = logits.argmax(dim=-1), None
+    else:
+        nxt = sample_rows(logits, floats[:, 0], floats[:, 1], seed, pos, top_k)
+        logprobs = tuple(map(pin, logprobs_of(logits, nxt)))
+    pos = (pos + 1).clamp(max=max_seq_len - 1)  # a free slot stays in its row
+    ints = torch.stack([nxt, pos, pad, seed, top_k], dim=-1)  # (B, 5)
+    return pin(nxt), logprobs, (pin(ints), floats)
+
+
+def entry(req, lp, i):
+    """Row i of host `logprobs_of` outputs as req reports it: (log-probability, [(id, log-probability)]
+    of its req.logprobs most likely tokens)."""
+    chosen, values, ids = lp
+    k = req.logprobs or 0
+    return float(chosen[i]), list(zip(ids[i, :k].tolist(), values[i, :k].tolist()))
 
 
 # --- The engine -----------------------------------------------------------------------------
@@ -143,12 +186,16 @@ class Engine:
     """Continuous batching over `slots` requests with a `Llama` (moved to the XLA device if on
     the CPU; or sharded by `parallel.shard_for_inference`). See the module docstring.
 
-    decode: tokens -> text (a tokenizer's decode), needed for stop strings. on_recompile:
+    eos_id: an id or a collection of ids that end a request (Llama 3 has several). decode:
+    tokens -> text (a tokenizer's decode), needed for text and stop strings. on_recompile:
     "raise" (a `RecompileError` from `step`) or "count" (only `compiles_since_warmup`).
+    budget: tokens per step (decoded tokens + prompt section positions; default: the largest
+    bucket + slots). compile: torch.compile(backend="openxla") the model's forward (default: on
+    a TPU).
     """
 
     def __init__(self, model, slots=None, buckets=(128, 256, 384, 512), max_queue=64, eos_id=None,
-                 decode=None, on_recompile="raise"):
+                 decode=None, on_recompile="raise", budget=None, compile=None):
         args = model.args
         slots = args.max_batch_size if slots is None else slots
         if not isinstance(slots, int) or not 1 <= slots <= args.max_batch_size:
@@ -158,9 +205,11 @@ class Engine:
             raise ValueError(f"max_queue={max_queue!r} must be an int >= 1")
         if on_recompile not in ("raise", "count"):
             raise ValueError(f"on_recompile={on_recompile!r} must be 'raise' or 'count'")
-        check_buckets(buckets, args.max_seq_len, room=2)  # warm-up generates 2 tokens after the largest bucket
-        if eos_id is not None and not 0 <= eos_id < args.vocab_size:
-            raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {args.vocab_size})")
+        check_buckets(buckets, args.max_seq_len, room=2)  # the largest prompt section and 2 new tokens fit
+        eos_ids = frozenset([] if eos_id is None else [eos_id] if isinstance(eos_id, int) else eos_id)
+        for i in eos_ids:
+            if not 0 <= i < args.vocab_size:
+                raise ValueError(f"eos_id {i} is outside the vocabulary [0, {args.vocab_size})")
         self.device = torch_xla.device()
         self.model = model if model.embed_tokens.weight.device.type == "xla" else model.to(self.device)
         if getattr(self.model, "mesh", None) is None:
@@ -168,18 +217,25 @@ class Engine:
         self.pin = replicator(self.model)
         self.mesh = self.model.mesh if hasattr(self.model, "mesh") else make_mesh()
         self.slots, self.buckets, self.max_queue = slots, tuple(buckets), max_queue
-        self.eos_id, self.decode, self.on_recompile = eos_id, decode, on_recompile
+        self.eos_ids, self.decode, self.on_recompile = eos_ids, decode, on_recompile
         self.max_seq_len, self.vocab_size = args.max_seq_len, args.vocab_size
+        self.scheduler = Scheduler(slots, self.buckets, args.max_seq_len, budget)
+        compile = xr.device_type() == "TPU" if compile is None else compile
+        if compile:  # Dynamo traces the forward once per shape: raise its limit (8) to the engine's shapes
+            shapes = 2 * len(prefill_shapes(buckets, args.max_seq_len)) + len(kv_buckets(buckets, args.max_seq_len))
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
+        self.forward = torch.compile(forward_logits, backend="openxla", fullgraph=True, dynamic=False) if compile \
+            else forward_logits
         self.decode_caches = [layer.self_attn.kv_cache for layer in self.model.layers]
         self.prefill_caches = [self.one_row_cache() for _ in self.model.layers]
-        self.state = (self.put(torch.zeros(slots, 4, dtype=torch.long)), self.put(torch.ones(slots, 2)))
-        self.running = [None] * slots  # the request in each slot
-        self.waiting = collections.deque()
-        self.lock, self.wake = threading.Lock(), threading.Condition(threading.Lock())
+        self.state = (self.put(torch.zeros(slots, 5, dtype=torch.long)), self.put(torch.ones(slots, 2)))
+        self.pending = None  # the last step's device outputs, read at the next step
+        self.lock = threading.RLock()  # the scheduler's queue: submit (any thread) and step
+        self.wake = threading.Condition(threading.Lock())
         self.ids = itertools.count()
         self.requests_total = self.tokens_total = self.compiles_since_warmup = 0
         self.warm = False
-        self.timeline = collections.deque(maxlen=4096)  # the last decode steps: request id per slot (None: free)
+        self.timeline = collections.deque(maxlen=4096)  # the last decode steps: request id per slot (None: idle)
 
     def one_row_cache(self):
         """A (1, max_seq_len, n_kv_heads, head_dim) cache for prefill, split on heads like the model's."""
@@ -198,27 +254,43 @@ class Engine:
 
     # --- requests (any thread) ---
 
-    def submit(self, prompt, max_tokens, temperature=0.0, top_p=1.0, seed=None, stop=(), callback=None):
+    def submit(self, prompt, max_tokens, temperature=0.0, top_p=1.0, seed=None, stop=(), callback=None, top_k=0,
+               logprobs=None, prompt_logprobs=False):
         """Queue a request; returns its `Request` at once. ValueError for bad input (before any
-        work), QueueFull when max_queue requests are waiting."""
+        work), QueueFull when max_queue requests are waiting.
+
+        logprobs: None, or the number of alternatives (0 to TOP_LOGPROBS) to report with each new
+        token's log-probability (req.token_logprobs); prompt_logprobs: also those of the prompt's
+        tokens after the first (req.prompt_token_logprobs). Log-probabilities are the model's,
+        before temperature, top-k and top-p."""
         check_request(self.model.args, self.buckets, [prompt], max_tokens, temperature, top_p, None, "max_tokens")
+        if not isinstance(top_k, int) or not 0 <= top_k <= SAMPLE_TOP_K:
+            raise ValueError(f"top_k={top_k!r} must be an int in [0, {SAMPLE_TOP_K}] (0: no limit but the "
+                             f"engine's, the {SAMPLE_TOP_K} most likely tokens)")
+        if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= TOP_LOGPROBS):
+            raise ValueError(f"logprobs={logprobs!r} must be None or an int in [0, {TOP_LOGPROBS}]")
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop={list(stop)!r}: every stop string must be a non-empty string")
         if stop and self.decode is None:
             raise ValueError("stop strings need text: build the Engine with decode=tokenizer.decode")
         seed = random.getrandbits(31) if seed is None else seed
-        req = Request(list(prompt), max_tokens, float(temperature), float(top_p), int(seed) & 0x7FFFFFFF, stop,
-                      callback, next(self.ids), submitted_at=time.perf_counter())
+        req = Request(list(prompt), max_tokens, float(temperature), float(top_p), top_k, int(seed) & 0x7FFFFFFF,
+                      stop, callback, next(self.ids), logprobs=logprobs, prompt_logprobs=bool(prompt_logprobs),
+                      submitted_at=time.perf_counter())
+        req.stream = None if self.decode is None else TextStream(self.decode, req.prompt, stop)
         with self.lock:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue={self.max_queue}); "
+            waiting = self.queue_length()
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting (max_queue={self.max_queue}); "
                                 "retry later, or start the engine with a larger max_queue")
-            self.waiting.append(req)
+            self.scheduler.add(req)
             self.requests_total += 1
         self.notify()
         return req
 
     def cancel(self, req):
-        """End a waiting or running request ("cancelled"); a running one frees its slot at the next step."""
+        """End a waiting or running request ("cancelled") at the next step; its slot frees then."""
         req.cancelled = True
         self.notify()
 
@@ -226,102 +298,132 @@ class Engine:
         with self.wake:
             self.wake.notify()
 
-    # --- the scheduler (one thread) ---
+    def room(self, prompt_len):
+        """The most tokens a request with a prompt of prompt_len tokens may ask for: the cache
+        positions after its left-padded prompt."""
+        return self.max_seq_len - sum(prefill_sections(prompt_len, self.buckets))
+
+    def queue_length(self):
+        return sum(not r.cancelled for r in self.scheduler.waiting)
+
+    # --- the steps (one thread) ---
 
     def step(self):
-        """Admit waiting requests into free slots, then decode one token for all slots.
-        Returns True if there was work."""
+        """Run the scheduler's next plan on the device, then read the previous step's tokens and
+        hand them to their requests. Returns True if there was work."""
         compiles = count_compiles()
-        self.drop_cancelled()
-        self.admit()
-        busy = [r is not None for r in self.running]
-        if any(busy):
-            greedy = all(r.temperature == 0 for r in self.running if r is not None)
-            nxt, self.state = decode_step(self.model, self.pin, self.state, self.put(torch.tensor(busy)), greedy)
-            torch_xla.sync()
-            self.timeline.append([None if r is None else r.id for r in self.running])
-            for slot, token in enumerate(nxt.cpu().tolist()):  # the one copy to the host per step: B tokens
-                if self.running[slot] is not None:
-                    self.emit(self.running[slot], token)
-        self.check_compiles(count_compiles() - compiles)
-        return any(busy) or bool(self.waiting)
-
-    def admit(self):
-        """Prefill and insert waiting requests while a slot is free."""
-        while None in self.running:
-            with self.lock:
-                if not self.waiting:
-                    return
-                req = self.waiting.popleft()
-            if req.cancelled:
+        with self.lock:
+            for req in [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r and r.cancelled]:
                 self.finish(req, "cancelled")
-                continue
-            first, row = self.prefill(req)
-            self.emit(req, first)
-            if not req.done:  # a one-token request, or EOS at once, never takes a slot
-                req.slot = self.running.index(None)
-                self.running[req.slot] = req
+            plan = self.scheduler.schedule()
+        work = bool(plan.prefill or plan.decode)
+        read, self.pending = self.pending, self.dispatch(plan) if work else None
+        if read is not None:
+            self.collect(*read)
+        self.check_compiles(count_compiles() - compiles)
+        return work or read is not None
+
+    def dispatch(self, plan):
+        """Trace and launch the plan's graphs (each launch returns at once); returns their device
+        outputs for `collect`: prompt log-probabilities, first tokens, decoded tokens."""
+        prompts, firsts, decoded = [], [], None
+        for req, start, n, kv_len in plan.prefill:
+            first, first_lp, prompt_lp = self.prefill(req, start, n, kv_len)
+            if prompt_lp is not None:
+                prompts.append((req, start, n, prompt_lp))
+            if start + n == req.width:  # its last section: into its slot
                 slot = self.put(torch.tensor([req.slot]))
-                self.state = insert(self.decode_caches, self.prefill_caches, self.state, slot, row)
+                self.state = insert(self.decode_caches, self.prefill_caches, self.state, slot, req.row[:2], first)
                 self.state = tuple(self.pin(s) for s in self.state)
                 torch_xla.sync()
-
-    def prefill(self, req):
-        """Run the prompt's sections into the one-row cache; returns (first token, the slot's state row)."""
-        sections = prefill_sections(len(req.prompt), self.buckets)  # submit() checked the request
-        width = sum(sections)
-        pad = width - len(req.prompt)
-        padded = torch.tensor([[0] * pad + req.prompt])  # (1, width) left-padded
-        ints = self.put(torch.tensor([[0, width, pad, req.seed]]))  # (1, 4)
-        row = (ints, self.put(torch.tensor([[req.temperature, req.top_p]])))  # (1, 2)
-        pad_t = self.put(torch.tensor([pad]))
-        self.use(self.prefill_caches)
-        pos = 0
-        for n in sections:
-            tokens, input_pos = padded[:, pos:pos + n].to(self.device), self.put(torch.arange(pos, pos + n))
-            first = prefill_step(self.model, self.pin, tokens, input_pos, pad_t, row)
+                firsts.append((req, first, first_lp))
+        if plan.decode:
+            busy = {r.slot: r for r in plan.decode}
+            greedy = all(r.temperature == 0 and r.logprobs is None for r in plan.decode)
+            nxt, lp, self.state = decode_step(self.forward, self.model, self.pin, self.state, greedy, plan.kv_len,
+                                              self.max_seq_len)
             torch_xla.sync()
-            pos += n
+            self.timeline.append([busy[s].id if s in busy else None for s in range(self.slots)])
+            decoded = (plan.decode, nxt, lp)
+        return prompts, firsts, decoded
+
+    def prefill(self, req, start, n, kv_len):
+        """Run one prompt section into the one-row cache; returns `prefill_step`'s device outputs."""
+        pad = req.width - len(req.prompt)
+        if start == 0:  # the request's sampling row (for its insert) and padding
+            ints = self.put(torch.tensor([[0, req.width, pad, req.seed, req.top_k]]))  # (1, 5)
+            req.row = (ints, self.put(torch.tensor([[req.temperature, req.top_p]])), self.put(torch.tensor([pad])))
+        padded = [0] * pad + req.prompt + [0]  # left-padded, and a stand-in after the last token
+        tokens = torch.tensor([padded[start:start + n]]).to(self.device)  # (1, n)
+        targets = self.put(torch.tensor([padded[start + 1:start + n + 1]])) if req.prompt_logprobs else None
+        self.use(self.prefill_caches)
+        input_pos = self.put(torch.arange(start, start + n))
+        out = prefill_step(self.forward, self.model, self.pin, tokens, input_pos, req.row[2], req.row[:2], kv_len, targets)
         self.use(self.decode_caches)
-        first = first.cpu().item()
-        ints = self.put(torch.tensor([[first, width, pad, req.seed]]))
-        return first, (ints, row[1])
+        torch_xla.sync()
+        return out
 
     def use(self, caches):
         """Point every layer's attention at these KV caches."""
         for layer, cache in zip(self.model.layers, caches):
             layer.self_attn.kv_cache = cache
 
-    def emit(self, req, token):
-        """Append a new token to req and finish it on EOS, a stop string or max_tokens."""
+    def collect(self, prompts, firsts, decoded):
+        """Bring a step's outputs to the host (this waits for its graphs) and hand them to their requests."""
+        for req, start, n, lp in prompts:  # position p predicts prompt token p + 1 - pad
+            lp, pad = [t.cpu() for t in lp], req.width - len(req.prompt)
+            req.prompt_token_logprobs += [entry(req, lp, p - start) for p in range(max(start, pad), start + n)
+                                          if p < req.width - 1]
+        for req, first, lp in firsts:
+            self.emit(req, first.cpu().item(), [t.cpu() for t in lp] if req.logprobs is not None else None)
+        if decoded:
+            reqs, nxt, lp = decoded
+            tokens = nxt.cpu().tolist()  # B tokens
+            lp = [t.cpu() for t in lp] if any(r.logprobs is not None for r in reqs) else None
+            for req in reqs:
+                self.emit(req, tokens[req.slot], lp and [t[req.slot:req.slot + 1] for t in lp])
+
+    def emit(self, req, token, lp=None):
+        """Append a new token (and its `logprobs_of`, host tensors of one row) to req and finish it
+        on EOS, a stop string or max_tokens. A token of a request that has ended (the step after
+        its EOS, or after a cancel) is dropped."""
+        if req.done:
+            return
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         req.tokens.append(token)
+        if req.logprobs is not None:
+            req.token_logprobs.append(entry(req, lp, 0))
         self.tokens_total += 1
-        if self.decode is not None:
-            req.text = self.decode(req.tokens)
-            cut = min((req.text.find(s) for s in req.stop if s in req.text), default=-1)
-            if cut >= 0:
-                req.text = req.text[:cut]
+        if req.stream is not None:
+            req.stream.add(token)
+            req.text = req.stream.text
+            if req.stream.stopped:
                 return self.finish(req, "stop")
-        if token == self.eos_id:
+        if token in self.eos_ids:
             return self.finish(req, "stop")
         if len(req.tokens) >= req.max_tokens:
             return self.finish(req, "length")
         if req.callback:
             req.callback(req)
 
-    def finish(self, req, reason):
-        req.finish_reason, req.finished_at = reason, time.perf_counter()
-        if req.slot is not None:
-            self.running[req.slot] = None
+    def finish(self, req, reason, error=None):
+        if req.stream is not None:
+            req.stream.flush()
+            req.text = req.stream.text
+        req.finish_reason, req.error, req.finished_at = reason, error, time.perf_counter()
+        with self.lock:
+            self.scheduler.finish(req)
         if req.callback:
             req.callback(req)
 
-    def drop_cancelled(self):
-        for req in self.running:
-            if req is not None and req.cancelled:
-                self.finish(req, "cancelled")
+    def abort(self, message):
+        """Finish every waiting and running request with finish_reason "error" (after a failed step)."""
+        with self.lock:
+            reqs = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r is not None]
+            for req in reqs:
+                self.finish(req, "error", message)
+        self.pending = None
 
     def check_compiles(self, new):
         """Count (or raise for) the compilations of a step after warm-up."""
@@ -333,25 +435,30 @@ class Engine:
                     "a new Python value; run with PT_XLA_DEBUG_LEVEL=2 to see which and why")
 
     def warmup(self):
-        """Compile every graph: each bucket's prefill, insert, and the greedy and sampling decode
-        steps, twice over so the second round runs the steady-state graphs (the first round's
-        inputs come from the host, later ones from earlier graphs). Returns the number of compilations."""
+        """Compile every graph: each (section, kv_len) prefill with and without prompt
+        log-probabilities, insert, and the greedy and sampling decode steps at every kv_len, twice over so the second round runs them as steps do, on the
+        outputs of earlier graphs. Returns the number of compilations."""
         start = count_compiles()
+        req = Request([0] * self.max_seq_len, 2, top_k=1, sections=(self.max_seq_len,))  # room for any section
         for _ in range(2):
-            reqs = []
-            for b, temperature in [(b, 0.0) for b in self.buckets] + [(self.buckets[0], 1.0)]:
-                reqs.append(self.submit([0] * b, max_tokens=2, temperature=temperature))
-                self.step()  # one at a time: a slot is free at each step, so any max_queue will do
-            while not all(r.done for r in reqs):
-                self.step()
-        self.requests_total = self.tokens_total = 0
-        self.timeline.clear()
+            for n, kv_len in prefill_shapes(self.buckets, self.max_seq_len):
+                for req.prompt_logprobs in (True, False):  # a first section (kv_len == n) or a later one
+                    first = self.prefill(req, kv_len - n, n, kv_len)[0]
+            self.state = insert(self.decode_caches, self.prefill_caches, self.state, self.put(torch.tensor([0])),
+                                req.row[:2], first)
+            self.state = tuple(self.pin(s) for s in self.state)
+            torch_xla.sync()
+            for kv_len in kv_buckets(self.buckets, self.max_seq_len):
+                for greedy in (True, False):
+                    out = decode_step(self.forward, self.model, self.pin, self.state, greedy, kv_len, self.max_seq_len)
+                    self.state = out[2]
+                    torch_xla.sync()  # with every output alive, as in a step (a dropped one makes another graph)
         self.warm = True
         return count_compiles() - start
 
     def run(self, stop_event):
-        """The scheduler loop for a background thread: step while there is work, otherwise
-        sleep until a request arrives or stop_event is set (then return once idle)."""
+        """The step loop for a background thread: step while there is work, otherwise sleep until
+        a request arrives or stop_event is set (then return once idle)."""
         while True:
             if not self.step():
                 if stop_event.is_set():
@@ -363,12 +470,12 @@ class Engine:
         """Every prompt's tokens (a list each), run through the slots as they free up."""
         pending, reqs = list(prompts), []
         while pending or not all(r.done for r in reqs):
-            while pending and len(self.waiting) < self.max_queue:
+            while pending and self.queue_length() < self.max_queue:
                 reqs.append(self.submit(pending.pop(0), max_tokens, **sampling))
             self.step()
         return [r.tokens for r in reqs]
 
     def metrics(self):
         return dict(requests_total=self.requests_total, tokens_total=self.tokens_total,
-                    slots_busy=sum(r is not None for r in self.running), queue_length=len(self.waiting),
+                    slots_busy=sum(r is not None for r in self.scheduler.running), queue_length=self.queue_length(),
                     compiles_since_warmup=self.compiles_since_warmup, slots=self.slots)

@@ -26,6 +26,7 @@ import torch_xla.distributed.spmd as xs
 from .data import ByteTokenizer
 from .mesh import make_mesh
 from .metrics import count_compiles
+from .scheduler import prefill_sections
 from .sharding import Constraint
 
 
@@ -59,19 +60,6 @@ class Stats:
     def as_dict(self):
         derived = ("latency_s", "per_token_latency_s", "decode_step_s", "throughput")
         return {**asdict(self), **{k: getattr(self, k) for k in derived}}
-
-
-def prefill_sections(n, buckets):
-    """Section lengths that hold an n-token prompt, left-padded into the first section.
-
-    The tokens that are not a multiple of the largest bucket go into the smallest bucket
-    that holds them, the rest into largest-bucket sections: with (128, 256, 384, 512),
-    100 -> [128], 600 -> [128, 512], 1500 -> [512, 512, 512].
-    """
-    largest = buckets[-1]
-    full, rest = divmod(n, largest)
-    first = [min(b for b in buckets if b >= rest)] if rest else []
-    return first + [largest] * full
 
 
 def sample(logits, temperature, top_p, greedy):

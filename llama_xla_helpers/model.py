@@ -6,8 +6,9 @@
 
 Every step has the same shapes whatever the position: the cache is written with
 `index_copy_` at the slots in the `input_pos` tensor, and attention reads the whole cache
-(max_seq_len keys) under a mask. On XLA that is one compiled graph per input shape: one per
-prefill bucket, one for all decode steps (the LLaMA 65B latency post: "The Path to Achieve
+(max_seq_len keys) under a mask, or only its first `kv_len` slots when the caller knows that
+no position beyond them is in use (the serving engine). On XLA that is one compiled graph per
+input shape: one per prefill bucket, one for all decode steps (the LLaMA 65B latency post: "The Path to Achieve
 Ultra-Low Inference Latency With LLaMA 65B on PyTorch/XLA", PyTorch blog,
 https://pytorch.org/blog/path-achieve-low-inference-latency/).
 
@@ -180,7 +181,9 @@ class KVCache(nn.Module):
         """Write k, v (bsz, seqlen, n_kv_heads, head_dim) at slots input_pos, (seqlen,) or
         (bsz, seqlen); return this batch's cache."""
         bsz = k.shape[0]
-        k_cache, v_cache = self.k_cache[:bsz], self.v_cache[:bsz]  # (bsz, max_seq_len, n_kv_heads, head_dim)
+        k_cache, v_cache = self.k_cache, self.v_cache  # (bsz, max_seq_len, n_kv_heads, head_dim)
+        if bsz < k_cache.shape[0]:  # only then a view: written through one, XLA copies the whole cache (measured)
+            k_cache, v_cache = k_cache[:bsz], v_cache[:bsz]
         if input_pos.dim() == 1:  # the same slots in every row
             k_cache.index_copy_(1, input_pos, k)
             v_cache.index_copy_(1, input_pos, v)
@@ -260,13 +263,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         k, v = self.kv_cache.update(input_pos, k, v)  # (bsz, max_seq_len, n_kv_heads, head_dim)
+        kv_len = mask.shape[-1]  # attention reads the first kv_len cache slots, the only ones in use
+        k, v = k[:, :kv_len], v[:, :kv_len]  # (bsz, kv_len, n_kv_heads, head_dim)
         # GQA: kv head g serves query heads g * n_rep ... g * n_rep + n_rep - 1, so the query heads
         # are grouped (n_kv_heads, n_rep) and read the cache as it is, never repeated n_rep times.
         q = q.view(bsz, seqlen, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
 
         # einsum, not matmul: matmul flattens (bsz, heads) and makes GSPMD gather the head-sharded cache
-        scores = torch.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(self.head_dim)  # (bsz, g, r, seqlen, max_seq_len)
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (bsz, 1, 1, seqlen, max_seq_len)
+        scores = torch.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(self.head_dim)  # (bsz, g, r, seqlen, kv_len)
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (bsz, 1, 1, seqlen, kv_len)
         probs = F.softmax(scores.float(), dim=-1).type_as(q)
         y = torch.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(bsz, seqlen, -1)  # (bsz, seqlen, n_heads * head_dim)
         return self.o_proj(y)
@@ -324,24 +329,27 @@ class Llama(nn.Module):
             layer.self_attn.kv_cache = KVCache(self.args, weight.dtype, weight.device)
 
     @torch.no_grad()
-    def forward(self, tokens, input_pos, pad=None):
+    def forward(self, tokens, input_pos, pad=None, kv_len=None):
         """Logits (bsz, seqlen, vocab_size) fp32 for tokens (bsz, seqlen) written at cache slots
         input_pos (seqlen,) or, per row, (bsz, seqlen); pad (bsz,) counts each row's
-        left-padding slots (None: no padding)."""
+        left-padding slots (None: no padding). kv_len (a Python int, default max_seq_len): attention
+        reads only the first kv_len cache slots, so a step costs what the live context needs; every
+        input_pos must be below it (one compiled graph per kv_len)."""
         bsz, seqlen = tokens.shape
-        self.check_shapes(tokens, input_pos, pad)
+        kv_len = self.args.max_seq_len if kv_len is None else kv_len
+        self.check_shapes(tokens, input_pos, pad, kv_len)
         if pad is None:
             pad = torch.zeros(bsz, dtype=torch.long, device=tokens.device)
         pos = (input_pos - pad[:, None]).clamp(min=0)  # (bsz, seqlen) RoPE positions
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (bsz, seqlen, head_dim)
-        mask = attention_mask(input_pos, pad, self.args.max_seq_len)  # (bsz, 1, seqlen, max_seq_len)
+        mask = attention_mask(input_pos, pad, kv_len)  # (bsz, 1, seqlen, kv_len)
 
         x = self.embed_tokens(tokens)  # (bsz, seqlen, dim)
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, mask)
         return self.lm_head(self.norm(x)).float()  # (bsz, seqlen, vocab_size)
 
-    def check_shapes(self, tokens, input_pos, pad):
+    def check_shapes(self, tokens, input_pos, pad, kv_len):
         """Shape checks only (never values: reading a device tensor would cut the XLA graph)."""
         bsz, seqlen = tokens.shape
         if bsz > self.args.max_batch_size:
@@ -352,6 +360,8 @@ class Llama(nn.Module):
                              f"({bsz}, {seqlen}) for tokens of shape {tuple(tokens.shape)}")
         if seqlen > self.args.max_seq_len:
             raise ValueError(f"{seqlen} tokens > max_seq_len={self.args.max_seq_len}")
+        if not seqlen <= kv_len <= self.args.max_seq_len:
+            raise ValueError(f"kv_len={kv_len} must be in [{seqlen} (the tokens), max_seq_len={self.args.max_seq_len}]")
         if pad is not None and pad.shape != (bsz,):
             raise ValueError(f"pad has shape {tuple(pad.shape)}, expected ({bsz},)")
 

@@ -23,16 +23,26 @@ A client that disconnects cancels its request, which frees its slot at the next 
 the engine keeps stepping; then the engine loop ends and the process exits with status 0.
 
 Endpoints, with OpenAI's names, defaults and error format ({"error": {"message", "type",
-"param", "code"}}: 400 for a bad parameter, 404 for an unknown model, 429 when the queue is full):
+"param", "code"}}, for every error: 400 for a bad parameter, 404 for an unknown model, 413 for a
+body over MAX_BODY_BYTES (4 MiB), 429 when the queue is full, 500 for a bug):
 
-- POST /v1/completions (prompt: a string), POST /v1/chat/completions (messages). Parameters:
-  model, max_tokens (default 16; chat also takes max_completion_tokens), temperature (default 1;
-  0 is greedy), top_p, seed, stop (a string or a list), stream, stream_options.include_usage.
-  Responses carry `usage` and `finish_reason` ("stop": EOS or a stop string; "length").
-  `stream: true` sends server-sent events, one chunk per new piece of text, then `data: [DONE]`.
-  A streamed chunk holds back text that may still change: an unfinished UTF-8 character (U+FFFD
-  until its last byte arrives) and a tail that may be the start of a stop string. So the chunks
-  add up to exactly the text a non-streamed request returns.
+- POST /v1/completions: prompt (a string, a list of strings, a list of token ids, or a list of
+  lists of ids), max_tokens (default 16), echo (the prompt before the completion; with logprobs,
+  its tokens' log-probabilities too, and max_tokens 0 scores the prompt without generating),
+  logprobs (0-20: each token's log-probability and that many alternatives).
+- POST /v1/chat/completions: messages, max_tokens / max_completion_tokens (default: the room left
+  in the context), logprobs (true) with top_logprobs (0-20).
+- Both: model, temperature (default 1; 0 is greedy), top_p, top_k (vLLM's extension: at most
+  engine.SAMPLE_TOP_K; 0 or -1, no limit), seed (choice j of n uses seed + j), n (choices per
+  prompt, up to MAX_N), stop (up to 4 non-empty strings), stream, stream_options.include_usage,
+  user. Log-probabilities are the model's, before temperature and top-k/top-p. Any other field
+  is refused with a 400 that names it; presence_penalty, frequency_penalty, logit_bias, suffix,
+  best_of, response_format, tools and tool_choice are refused unless they ask for nothing.
+  Responses carry `usage` and `finish_reason` ("stop": an EOS id of the model (all of those in its
+  config.json and generation_config.json) or a stop string; "length").
+  `stream: true` sends server-sent events, one chunk per new piece of text (with its tokens'
+  logprobs), then `data: [DONE]`. A streamed chunk holds back a tail that may be the start of a
+  stop string, so the chunks add up to exactly the text a non-streamed request returns.
 - GET /v1/models, GET /health (503 once the engine loop has stopped), GET /metrics (Prometheus
   text: requests, tokens, busy slots, queue length, compilations since warm-up).
 
@@ -54,6 +64,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import re
@@ -62,21 +73,21 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Literal
 
+import jinja2
 import torch_xla.runtime as xr
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
-from transformers import LlamaConfig
+from transformers import GenerationConfig, LlamaConfig
 
 from . import checkpoint
 from .cli import ArgumentParser, add_compile_cache_args, int_list, user_errors
 from .data import ByteTokenizer
-from .engine import Engine, QueueFull
+from .engine import SAMPLE_TOP_K, TOP_LOGPROBS, Engine, QueueFull
 from .generate import check_buckets, load_tokenizer
 from .mesh import make_mesh, mesh_shape
 from .model import Llama, ModelArgs
@@ -89,6 +100,9 @@ MAX_SEQ_LEN = 2048  # the default cache length: max_position_embeddings, capped 
 BUCKETS = (128, 256, 384, 512)  # default prefill buckets: those up to half the cache
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 POLL_S = 0.5  # a waiting request checks this often whether its client is still there
+MAX_N = 16  # choices per prompt
+MAX_BODY_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt as ids is about 1 MB of JSON
+GENERATION_CONFIG = "generation_config.json"
 
 
 # --- Loading a model into an engine ------------------------------------------------------------
@@ -212,17 +226,24 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
         model = quantize_model(model, quantize)
     if mesh is not None:
         model = shard_for_inference(model, mesh)
-    decode, eos_id = decoder(tokenizer)
-    return Engine(model, slots, buckets, max_queue, eos_id, decode, on_recompile="count"), tokenizer
+    decode, eos_ids = decoder(tokenizer, config, path if step is None else None)
+    return Engine(model, slots, buckets, max_queue, eos_ids, decode, on_recompile="count"), tokenizer
 
 
 # --- Text in, text out -------------------------------------------------------------------------
 
-def decoder(tokenizer):
-    """(tokens -> text without special tokens, the EOS id) for the Engine."""
+def decoder(tokenizer, config=None, path=None):
+    """(tokens -> text without special tokens, the EOS ids) for the Engine: the tokenizer's EOS and
+    those of the model's config.json and generation_config.json (Llama 3 lists several)."""
     if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.decode, tokenizer.eos_id
-    return functools.partial(tokenizer.decode, skip_special_tokens=True), tokenizer.eos_token_id
+        return tokenizer.decode, {tokenizer.eos_id}
+    ids = {tokenizer.eos_token_id} - {None}
+    sources = [config] + ([GenerationConfig.from_pretrained(path)] if path and (Path(path) / GENERATION_CONFIG).is_file()
+                          else [])
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids |= set([eos] if isinstance(eos, int) else eos or [])
+    return functools.partial(tokenizer.decode, skip_special_tokens=True), ids
 
 
 def encode(tokenizer, text):
@@ -234,10 +255,14 @@ def encode(tokenizer, text):
 
 
 def chat_prompt(tokenizer, messages):
-    """The prompt of a chat: the tokenizer's template, else one "role: content" line per message."""
-    if getattr(tokenizer, "chat_template", None):
+    """The prompt of a chat: the tokenizer's template, else one "role: content" line per message.
+    A template that fails is the request's fault: a 400 naming the template's message."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    except jinja2.TemplateError as e:
+        raise api_error(400, f"the model's chat template rejected these messages: {e}", param="messages") from None
 
 
 def settled(text, stop):
@@ -254,24 +279,36 @@ def settled(text, stop):
 # --- The HTTP API ------------------------------------------------------------------------------
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class Sampling(BaseModel):
-    """What both endpoints take (OpenAI's names; unknown fields are ignored)."""
+    """What both endpoints take, with OpenAI's names and defaults. A field that is not here is
+    refused (400 naming it); those in UNSUPPORTED are refused unless they ask for nothing."""
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = Field(0, ge=-1, le=SAMPLE_TOP_K)  # vLLM's extension: 0 or -1, no limit
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, max_length=4)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N)
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
 
 
 class CompletionBody(Sampling):
-    prompt: str = Field(min_length=1)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class Message(BaseModel):
@@ -282,6 +319,25 @@ class Message(BaseModel):
 class ChatBody(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None  # chat's newer name for max_tokens; wins if given
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+
+UNSUPPORTED = dict(presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(None, {}), suffix=(None, ""),
+                   response_format=(None, {"type": "text"}), tools=(None, []), tool_choice=(None, "none"))
+
+
+def check_supported(body):
+    """400 naming a parameter this server does not implement, unless it has its no-op value."""
+    for name, noop in UNSUPPORTED.items():
+        value = getattr(body, name, noop if not isinstance(noop, tuple) else noop[0])
+        if value not in (noop if isinstance(noop, tuple) else (noop,)):
+            raise api_error(400, f"{name}={value!r} is not supported by this server; leave it out", param=name)
+    if getattr(body, "best_of", None) not in (None, body.n):
+        raise api_error(400, f"best_of={body.best_of} is not supported (only best_of == n); leave it out", param="best_of")
 
 
 @dataclasses.dataclass
@@ -295,7 +351,7 @@ class Served:
         return self.thread is not None and self.thread.is_alive()
 
 
-Update = collections.namedtuple("Update", "text count reason")  # a request after a step: text, tokens, finish reason
+Update = collections.namedtuple("Update", "index text count reason")  # a choice after a step: text, tokens, finish reason
 
 
 def api_error(status, message, type="invalid_request_error", param=None, code=None):
@@ -317,30 +373,63 @@ async def bad_request(request, exc):
     return await http_error(request, api_error(400, f"{param}: {first['msg']}" if param else first["msg"], param=param))
 
 
-def submit(served, request, body, prompt):
-    """Queue the request; returns (engine Request, async iterator of its Updates). 400 for a value
-    the engine rejects, 429 when the queue is full."""
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+async def server_error(request, exc):
+    """A bug: a JSON 500 (the traceback goes to the server's log)."""
+    return await http_error(request, api_error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
-    def callback(req):  # the engine's thread: hand over a snapshot, never block
-        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is waiting
-            loop.call_soon_threadsafe(queue.put_nowait, Update(req.text, len(req.tokens), req.finish_reason))
+
+async def limit_body(request, call_next):
+    """413 for a body over MAX_BODY_BYTES (its Content-Length), before it is read."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        return await http_error(request, api_error(
+            413, f"the request body is {size} bytes, more than this server's limit of {MAX_BODY_BYTES}; send "
+                 f"a shorter prompt", code="body_too_large"))
+    return await call_next(request)
+
+
+def submit(served, request, body, prompts):
+    """Queue body.n requests per prompt; returns (engine Requests, async iterator of their Updates).
+    400 for a value the engine rejects, 429 when the queue is full (then none is queued)."""
+    loop, queue, reqs = asyncio.get_running_loop(), asyncio.Queue(), []
+
+    def callback(index):  # runs in the engine's thread: hand over a snapshot, never block
+        def put(req):
+            update = Update(index, req.text, len(req.tokens), req.finish_reason)
+            with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is waiting
+                loop.call_soon_threadsafe(queue.put_nowait, update)
+        return put
+
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise api_error(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
     try:
-        req = served.engine.submit(prompt, body.max_tokens, body.temperature, body.top_p, body.seed,
-                                   body.stop or (), callback)
-    except QueueFull as e:
-        raise api_error(429, str(e), "rate_limit_error", code="queue_full") from None
-    except ValueError as e:  # the engine names the value, e.g. "top_p=0.0 must be in (0, 1]"
-        name = re.match(r"(\w+)=", str(e))
-        raise api_error(400, str(e), param=name[1] if name and name[1] in Sampling.model_fields else None) from None
-    return req, updates(served, request, req, queue)
+        for i, prompt in enumerate(prompts):
+            for j in range(body.n):
+                max_tokens = body.max_tokens or 1  # 0 with echo: score the prompt, keep no token
+                reqs.append(served.engine.submit(
+                    prompt, max_tokens, body.temperature, body.top_p, None if body.seed is None else body.seed + j,
+                    body.stop or (), callback(i * body.n + j), max(body.top_k, 0), logprobs,
+                    prompt_logprobs=getattr(body, "echo", False) and logprobs is not None))
+    except (QueueFull, ValueError) as e:
+        for req in reqs:
+            served.engine.cancel(req)
+        if isinstance(e, QueueFull):
+            raise api_error(429, str(e), "rate_limit_error", code="queue_full") from None
+        name = re.match(r"(\w+)=", str(e))  # the engine names the value, e.g. "top_p=0.0 must be in (0, 1]"
+        raise api_error(400, str(e), param=name[1] if name and name[1] in type(body).model_fields else None) from None
+    return reqs, updates(served, request, reqs, queue)
 
 
-async def updates(served, request, req, queue):
-    """The request's Updates as the engine makes them, until it finishes. The request is cancelled
-    (its slot freed) if this ends first: the client disconnected, or a stream was closed."""
+async def updates(served, request, reqs, queue):
+    """The requests' Updates as the engine makes them, until all have finished. Those still running
+    are cancelled (their slots freed) if this ends first: the client disconnected, or a stream was closed."""
+    running = len(reqs)
     try:
-        while True:
+        while running:
             try:
                 update = await asyncio.wait_for(queue.get(), POLL_S)
             except asyncio.TimeoutError:
@@ -348,75 +437,169 @@ async def updates(served, request, req, queue):
                     return
                 continue
             yield update
-            if update.reason:
-                return
+            running -= update.reason is not None
     finally:
-        if not req.done:
-            served.engine.cancel(req)
+        for req in reqs:
+            if not req.done:
+                served.engine.cancel(req)
 
 
-def choice(chat, text, reason, stream=False, first=False):
-    """One entry of a response's `choices` (a streamed chunk's, if stream)."""
-    if not chat:
-        return dict(index=0, text=text, logprobs=None, finish_reason=reason)
-    if not stream:
-        return dict(index=0, message=dict(role="assistant", content=text), logprobs=None, finish_reason=reason)
-    delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-    return dict(index=0, delta=delta, logprobs=None, finish_reason=reason)
+def token_text(tokenizer, token):
+    return tokenizer.decode([token])
 
 
-def usage(prompt_tokens, completion_tokens):
-    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens)
+def completion_logprobs(tokenizer, entries, tokens, offset=0):
+    """OpenAI's completions `logprobs` of tokens with their engine entries (None for a prompt's first)."""
+    texts = [token_text(tokenizer, t) for t in tokens]
+    offsets = list(itertools.accumulate([len(t) for t in texts[:-1]], initial=offset))
+    return dict(tokens=texts, token_logprobs=[e and e[0] for e in entries],
+                top_logprobs=[e and {token_text(tokenizer, i): v for i, v in e[1]} for e in entries],
+                text_offset=offsets)
 
 
-async def events(head, chat, body, prompt_tokens, stream):
-    """Server-sent events of a streamed response: a chunk per piece of settled text, the last one
-    with finish_reason, a usage chunk if asked for, then [DONE] (not if the engine stopped first)."""
+def chat_logprobs(tokenizer, entries, tokens):
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def item(token, value):
+        text = token_text(tokenizer, token)
+        return dict(token=text, logprob=value, bytes=list(text.encode()))
+    return dict(content=[item(t, v) | dict(top_logprobs=[item(i, w) for i, w in top])
+                         for t, (v, top) in zip(tokens, entries)])
+
+
+class Choices:
+    """The choices of one response, as the engine's requests make them: text, tokens, logprobs."""
+
+    def __init__(self, served, body, prompts, reqs, chat):
+        self.tokenizer, self.body, self.prompts, self.reqs, self.chat = served.tokenizer, body, prompts, reqs, chat
+        self.scoring = not chat and body.echo and body.max_tokens == 0  # the prompt only
+        self.logprobs = reqs[0].logprobs is not None
+
+    def prompt_part(self, index):
+        """(echoed text, its logprobs entries, its tokens) of choice `index`'s prompt ("" unless echo)."""
+        if self.chat or not self.body.echo:
+            return "", [], []
+        prompt = self.prompts[index // self.body.n]
+        return self.tokenizer_text(prompt), [None] + self.reqs[index].prompt_token_logprobs, prompt
+
+    def tokenizer_text(self, tokens):
+        return self.tokenizer.decode(tokens) if isinstance(self.tokenizer, ByteTokenizer) else \
+            self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def logprobs_of(self, index, start, end, with_prompt=False):
+        """The logprobs object of choice `index`'s tokens [start, end) (and its prompt's, first)."""
+        if not self.logprobs:
+            return None
+        req = self.reqs[index]
+        _, prompt_entries, prompt = self.prompt_part(index) if with_prompt else ("", [], [])
+        entries, tokens = req.token_logprobs[start:end], req.tokens[start:end]
+        if self.chat:
+            return chat_logprobs(self.tokenizer, entries, tokens)
+        return completion_logprobs(self.tokenizer, prompt_entries + entries, prompt + tokens)
+
+    def final(self, index):
+        """Choice `index` of a whole response."""
+        req = self.reqs[index]
+        if self.scoring:
+            text, n = self.prompt_part(index)[0], 0
+        else:
+            text, n = self.prompt_part(index)[0] + (req.text or ""), len(req.tokens)
+        logprobs = self.logprobs_of(index, 0, n, with_prompt=True)
+        if self.chat:
+            return dict(index=index, message=dict(role="assistant", content=text), logprobs=logprobs,
+                        finish_reason=req.finish_reason)
+        return dict(index=index, text=text, logprobs=logprobs, finish_reason="length" if self.scoring else req.finish_reason)
+
+    def completion_tokens(self):
+        return 0 if self.scoring else sum(len(r.tokens) for r in self.reqs)
+
+    def usage(self):
+        prompt_tokens = sum(map(len, self.prompts))
+        return dict(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens(),
+                    total_tokens=prompt_tokens + self.completion_tokens())
+
+
+async def events(head, choices, stream):
+    """Server-sent events of a streamed response: per choice, a chunk per piece of settled text
+    (with the logprobs of its new tokens), the last with finish_reason; a usage chunk if asked for;
+    then [DONE]. If the engine stops first, an error event, then [DONE]."""
+    body, chat = choices.body, choices.chat
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    sent, first = "", True
+    n = len(choices.reqs)
+    sent, counted, first = [""] * n, [0] * n, [True] * n
     async for u in stream:
-        text = u.text if u.reason else settled(u.text, stop)
-        if u.reason or len(text) > len(sent):
-            chunk = choice(chat, text[len(sent):], u.reason, stream=True, first=first)
+        i, count = u.index, 0 if choices.scoring else u.count
+        text = "" if choices.scoring else (u.text if u.reason else settled(u.text, stop)) or ""
+        if u.reason or len(text) > len(sent[i]) or first[i]:
+            echo = choices.prompt_part(i)[0] if first[i] else ""  # echo: the prompt, first
+            delta = echo + text[len(sent[i]):]
+            logprobs = choices.logprobs_of(i, counted[i], count, with_prompt=first[i])
+            if chat:
+                message = ({"role": "assistant"} if first[i] else {}) | ({"content": delta} if delta or first[i] else {})
+                chunk = dict(index=i, delta=message, logprobs=logprobs, finish_reason=u.reason)
+            else:
+                chunk = dict(index=i, text=delta, logprobs=logprobs, finish_reason=u.reason)
             yield f"data: {json.dumps({**head, 'choices': [chunk]})}\n\n"
-            sent, first = text, False
-        if u.reason and body.stream_options and body.stream_options.include_usage:
-            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, u.count)})}\n\n"
-        if u.reason:
-            yield "data: [DONE]\n\n"
+            sent[i], counted[i], first[i] = text, count, False
+    if not all(r.done for r in choices.reqs):  # the engine stopped, or the client left
+        error = api_error(503, "the engine stopped before the request finished; see the server's log", "server_error")
+        yield f"data: {json.dumps({'error': error.detail})}\n\n"
+    elif body.stream_options and body.stream_options.include_usage:
+        yield f"data: {json.dumps({**head, 'choices': [], 'usage': choices.usage()})}\n\n"
+    yield "data: [DONE]\n\n"
 
 
-async def respond(request, body, prompt, chat):
+async def respond(request, body, prompts, chat):
     """Run a completion (chat or not) and answer: one JSON body, or server-sent events."""
     served = request.app.state.served
     if body.model not in (None, served.model_name):
         raise api_error(404, f"the model {body.model!r} does not exist; this server serves {served.model_name!r}",
                         param="model", code="model_not_found")
-    req, stream = submit(served, request, body, prompt)
+    check_supported(body)
+    reqs, stream = submit(served, request, body, prompts)
+    choices = Choices(served, body, prompts, reqs, chat)
     kind = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
-    head = dict(id=f"{kind[1]}-{req.id}", object=kind[0], created=int(time.time()), model=served.model_name)
+    head = dict(id=f"{kind[1]}-{reqs[0].id}", object=kind[0], created=int(time.time()), model=served.model_name)
     if body.stream:
         head["object"] += ".chunk" if chat else ""
-        return StreamingResponse(events(head, chat, body, len(prompt), stream), media_type="text/event-stream")
-    last = None
-    async for last in stream:
+        return StreamingResponse(events(head, choices, stream), media_type="text/event-stream")
+    async for _ in stream:
         pass
-    if last is None or not last.reason:  # the client left (nobody reads this) or the engine stopped
+    if not all(r.done for r in reqs):  # the client left (nobody reads this) or the engine stopped
         raise api_error(503, "the engine stopped before the request finished; see the server's log", "server_error")
-    return {**head, "choices": [choice(chat, last.text, last.reason)], "usage": usage(len(prompt), last.count)}
+    return {**head, "choices": [choices.final(i) for i in range(len(reqs))], "usage": choices.usage()}
+
+
+def completion_prompts(tokenizer, prompt, vocab_size):
+    """The token ids of each prompt: a string, a list of strings, a list of ids or a list of lists of ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise api_error(400, "prompt is empty; send a string, a list of strings or token ids", param="prompt")
+    ids = [encode(tokenizer, p) if isinstance(p, str) else p for p in prompt]
+    for p in ids:
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if not p or bad:
+            raise api_error(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})" if bad else
+                            "a prompt is empty; every prompt needs at least one token", param="prompt")
+    return ids
 
 
 async def completions(request: Request, body: CompletionBody):
-    return await respond(request, body, encode(request.app.state.served.tokenizer, body.prompt), chat=False)
+    served = request.app.state.served
+    if body.max_tokens is None:
+        body.max_tokens = 16  # OpenAI's default for completions
+    if body.max_tokens == 0 and not body.echo:
+        raise api_error(400, "max_tokens=0 must be an int >= 1 (0 only with echo, to score the prompt)",
+                        param="max_tokens")
+    return await respond(request, body, completion_prompts(served.tokenizer, body.prompt, served.engine.vocab_size),
+                         chat=False)
 
 
 async def chat_completions(request: Request, body: ChatBody):
-    if body.max_completion_tokens is not None:
-        body.max_tokens = body.max_completion_tokens
-    tokenizer = request.app.state.served.tokenizer
-    text = chat_prompt(tokenizer, [m.model_dump() for m in body.messages])
-    return await respond(request, body, encode(tokenizer, text), chat=True)
+    served = request.app.state.served
+    prompt = encode(served.tokenizer, chat_prompt(served.tokenizer, [m.model_dump() for m in body.messages]))
+    body.max_tokens = body.max_completion_tokens or body.max_tokens or served.engine.room(len(prompt))
+    return await respond(request, body, [prompt], chat=True)
 
 
 async def models(request: Request):
@@ -467,6 +650,8 @@ def app(engine, tokenizer, model_name):
     api.state.served = served
     api.add_exception_handler(HTTPException, http_error)
     api.add_exception_handler(RequestValidationError, bad_request)
+    api.add_exception_handler(Exception, server_error)
+    api.middleware("http")(limit_body)
     api.post("/v1/completions")(completions)
     api.post("/v1/chat/completions")(chat_completions)
     for path, endpoint in (("/v1/models", models), ("/health", health), ("/metrics", metrics)):

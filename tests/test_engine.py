@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from llama_xla_helpers.configs import get_config
-from llama_xla_helpers.engine import Engine, QueueFull, RecompileError, sample_rows
+from llama_xla_helpers.engine import SAMPLE_TOP_K, Engine, QueueFull, RecompileError, sample_rows
 from llama_xla_helpers.generate import Generator
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.parallel import shard_for_inference
+from llama_xla_helpers.scheduler import Scheduler, replay
 from util import N, hf_model, teacher_forced_agreement, tp_size
 
 BUCKETS = (16, 32)
@@ -131,6 +132,7 @@ def test_bad_request_fails_alone(kwargs, message):
 
 def test_full_queue_refuses_and_loses_nothing():
     eng = engine(slots=2, max_queue=1)  # fewer than the buckets: warm-up must not need a longer queue
+    eng.cancel(eng.submit(prompts()[2], 10))  # a cancelled request no longer counts
     first = eng.submit(prompts()[0], 10)
     with pytest.raises(QueueFull, match=r"1 requests are waiting \(max_queue=1\)"):
         eng.submit([1, 2], 4)
@@ -144,13 +146,13 @@ def test_finish_on_eos_stop_string_and_max_tokens():
     eng, want = shared_engine(), expected()[1]
     text = decode(want)
     stop = text[3:5]  # a stop string inside the greedy text
-    eng.eos_id = want[4]
+    eng.eos_ids = {want[4], 263}  # Llama 3 has several EOS ids; the one met ends it
     try:
         by_eos = eng.submit(prompts()[1], 11)
         by_stop = eng.submit(prompts()[1], 11, stop=[stop])
         run(eng, [by_eos, by_stop])
     finally:
-        eng.eos_id = None
+        eng.eos_ids = frozenset()
     assert by_eos.finish_reason == "stop" and by_eos.tokens == want[:want.index(want[4]) + 1]
     assert by_stop.finish_reason == "stop" and by_stop.text == text[:text.index(stop)]
     one = run(eng, [eng.submit(prompts()[1], 1)])[0]
@@ -194,3 +196,92 @@ def test_sample_rows_draws_from_the_softmax():
         assert torch.allclose(freq, probs, atol=0.015), (temperature, top_p, freq, probs)
     greedy = sample_rows(logits[:3], torch.zeros(3), torch.ones(3), seed[:3], pos[:3])
     assert greedy.tolist() == [0, 0, 0]
+
+
+def test_sample_rows_top_k_keeps_the_k_most_likely():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).repeat(20000, 1)
+    n = logits.shape[0]
+    seed, pos, ones = torch.arange(n), torch.full((n,), 5), torch.ones(n)
+    drawn = sample_rows(logits, ones, ones, seed, pos, torch.full((n,), 2))
+    probs = torch.softmax(logits[0, :2], -1)
+    freq = torch.bincount(drawn, minlength=4).float() / n
+    assert freq[2:].sum() == 0 and torch.allclose(freq[:2], probs, atol=0.015), freq
+    assert SAMPLE_TOP_K < 264  # the tiny model's vocabulary: the engine's bound matters below
+
+
+def test_top_k_1_is_greedy_and_the_engine_rejects_a_top_k_beyond_its_bound():
+    eng, p = shared_engine(), prompts()[0]
+    assert run(eng, [eng.submit(p, 10, temperature=5.0, top_k=1, seed=1)])[0].tokens == expected()[0]
+    with pytest.raises(ValueError, match=f"top_k={SAMPLE_TOP_K + 1} must be an int in \\[0, {SAMPLE_TOP_K}\\]"):
+        eng.submit(p, 10, top_k=SAMPLE_TOP_K + 1)
+    with pytest.raises(ValueError, match="every stop string must be a non-empty string"):
+        eng.submit(p, 10, stop=["a", ""])
+
+
+def test_the_engine_runs_its_schedulers_plan_and_a_long_prompt_never_stalls_decoding():
+    """The slots the engine filled at each decode step are those of a pure-Python replay of its
+    scheduler, one-step lag included; a prompt of 3 sections arriving mid-way is prefilled one
+    section per step while the running requests decode at every step."""
+    eng, ps = shared_engine(), prompts()
+    eng.eos_ids = {expected()[1][5]}  # request 1 ends early, on an EOS its engine learns a step late
+    try:
+        reqs = [eng.submit(ps[i], 10 + i) for i in range(3)]
+        eng.timeline.clear()
+        eng.step(), eng.step()
+        reqs.append(eng.submit(ps[0] * 16, 6))  # 80 tokens: sections 16 + 32 + 32
+        run(eng, reqs)
+    finally:
+        eng.eos_ids = frozenset()
+    made = [len(r.tokens) for r in reqs]
+    assert reqs[1].finish_reason == "stop" and made[1] < 11
+    work = [(len(r.prompt), r.max_tokens, n) for r, n in zip(reqs, made)]
+    want = replay(Scheduler(4, BUCKETS, MAX_SEQ_LEN), work, arrivals=[0, 0, 0, 2])
+    assert [list(step) for step in eng.timeline] == [[None if i is None else reqs[i].id for i in step]
+                                                      for step in want]
+    for r in reqs:  # from its first decode step to its last, a request is in every step
+        steps = [k for k, step in enumerate(eng.timeline) if r.id in step]
+        assert steps == list(range(steps[0], steps[-1] + 1))
+    assert [r.tokens for r in reqs[:1] + reqs[2:3]] == [expected()[0], expected()[2]]
+
+
+def test_compiled_with_dynamo_it_gives_the_same_tokens_and_compiles_nothing_after_warmup():
+    """compile=True: torch.compile(backend="openxla") traces each step once (the TPU default):
+    the same greedy tokens, the same sampled ones (seeds and temperatures differ per request)."""
+    want, lazy, eng, ps = expected(), shared_engine(), engine(compile=True), prompts()
+    compiles = count_compiles()
+    reqs = run(eng, [eng.submit(p, 10 + i) for i, p in enumerate(ps[:5])])
+    sampled = run(eng, [eng.submit(p, 8, temperature=0.5 + i, seed=i) for i, p in enumerate(ps[:3])])
+    assert count_compiles() == compiles
+    assert [r.tokens for r in reqs] == list(want[:5])
+    assert [r.tokens for r in sampled] == [r.tokens for r in run(lazy, [
+        lazy.submit(p, 8, temperature=0.5 + i, seed=i) for i, p in enumerate(ps[:3])])]
+
+
+def test_abort_ends_every_request_with_an_error():
+    eng = engine(slots=1)
+    running, waiting = eng.submit(prompts()[0], 50), eng.submit(prompts()[1], 11)
+    eng.step(), eng.step()
+    eng.abort("the step failed")
+    assert [(r.finish_reason, r.error) for r in (running, waiting)] == [("error", "the step failed")] * 2
+    assert eng.metrics()["slots_busy"] == 0 and eng.metrics()["queue_length"] == 0
+    assert run(eng, [eng.submit(prompts()[1], 11)])[0].tokens == expected()[1]
+
+
+def test_log_probabilities_are_a_log_softmax_of_hugging_faces_logits():
+    """For greedy and sampled tokens, and the prompt's own tokens (echo), with the top alternatives."""
+    eng, p = shared_engine(), prompts()[2]  # 40 tokens: two prompt sections
+    reqs = run(eng, [eng.submit(p, 6, logprobs=3, prompt_logprobs=True),
+                     eng.submit(p, 6, temperature=1.0, seed=5, logprobs=2)])
+    assert reqs[0].tokens != reqs[1].tokens
+    for r in reqs:
+        with torch.no_grad():
+            lp = torch.log_softmax(hf()(torch.tensor([p + r.tokens])).logits[0].float(), -1)  # (n, vocab_size)
+        rows = lp[len(p) - 1:-1]  # the rows that predict the new tokens
+        assert len(r.token_logprobs) == len(r.tokens)
+        for row, token, (value, top) in zip(rows, r.tokens, r.token_logprobs):
+            assert value == pytest.approx(row[token].item(), abs=1e-4)
+            assert [i for i, _ in top] == row.topk(r.logprobs).indices.tolist()
+            assert [v for _, v in top] == pytest.approx(row.topk(r.logprobs).values.tolist(), abs=1e-4)
+    echo = reqs[0].prompt_token_logprobs
+    assert len(echo) == len(p) - 1 and not reqs[1].prompt_token_logprobs
+    assert [v for v, _ in echo] == pytest.approx([lp[i, p[i + 1]].item() for i in range(len(p) - 1)], abs=1e-4)

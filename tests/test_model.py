@@ -66,6 +66,19 @@ def test_llama3_scaling_matters_at_these_lengths():
     assert (full_logits(unscaled, toks) - hf_logits(hf, toks)).abs().max() > 100 * ATOL
 
 
+def test_attention_over_the_first_kv_len_slots_is_the_same():
+    """kv_len: attention reads only the cache slots in use; the logits are those of the whole cache."""
+    model = Llama.from_hf(hf_model(tiny(**VARIANTS["gqa"])), max_batch_size=2, max_seq_len=40)
+    toks = tokens(2, 20)
+    expected = full_logits(model, toks)
+    steps = [model(toks[:, :12], torch.arange(12), kv_len=12)]
+    for i in range(12, 20):  # per-row positions, as the serving engine decodes
+        steps.append(model(toks[:, i:i + 1], torch.full((2, 1), i), kv_len=16 if i < 16 else 24))
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match=r"kv_len=41 must be in \[1 \(the tokens\), max_seq_len=40\]"):
+        model(toks[:, :1], torch.tensor([0]), kv_len=41)
+
+
 @pytest.mark.parametrize("variant", ["gqa", "llama3.1"])
 def test_incremental_decoding_matches_full_forward(variant):
     model = Llama.from_hf(hf_model(tiny(**VARIANTS[variant])), max_batch_size=3, max_seq_len=40)

@@ -26,13 +26,14 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from transformers import LlamaForCausalLM
+from transformers import GenerationConfig, LlamaForCausalLM
 
 from llama_xla_helpers import checkpoint, serve
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer
 from llama_xla_helpers.engine import Engine
 from llama_xla_helpers.generate import Generator, llama3_chat
+from llama_xla_helpers.scheduler import prefill_sections
 from llama_xla_helpers.mesh import make_mesh, mesh_shape
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.train import build_model
@@ -235,11 +236,18 @@ BAD = [
     (dict(temperature=-1), 400, "temperature=-1.0 must be >= 0"),
     (dict(top_p=0), 400, "top_p=0.0 must be in (0, 1]"),
     (dict(top_p=1.5), 400, "top_p=1.5 must be in (0, 1]"),
-    (dict(prompt=""), 400, "prompt: String should have at least 1 character"),
+    (dict(prompt=[300]), 400, "prompt token id 300 is outside the vocabulary [0, 264)"),
     (dict(prompt="x" * 200), 400, "cache slots > max_seq_len=128"),
     (dict(max_tokens=121), 400, "cache slots > max_seq_len=128"),
     (dict(max_tokens="many"), 400, "max_tokens: Input should be a valid integer"),
-    (dict(n=2), 400, "n: Input should be 1"),
+    (dict(n=17), 400, "n: Input should be less than or equal to 16"),
+    (dict(top_k=65), 400, "top_k: Input should be less than or equal to 64"),
+    (dict(logprobs=21), 400, "logprobs: Input should be less than or equal to 20"),
+    (dict(stop=["a", ""]), 400, "every stop string must be a non-empty string"),
+    (dict(stop=list("abcde")), 400, "stop: Value should have at most 4 items"),
+    (dict(presence_penalty=0.5), 400, "presence_penalty=0.5 is not supported by this server"),
+    (dict(best_of=3), 400, "best_of=3 is not supported"),
+    (dict(temprature=0.5), 400, "temprature: Extra inputs are not permitted"),
     (dict(model="gpt-4"), 404, "the model 'gpt-4' does not exist; this server serves 'tiny-llama'"),
     (b"{not json", 400, "JSON decode error"),
 ]
@@ -253,6 +261,69 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_goes_on(server, body,
     got, out = post(server.url, "/v1/completions", body)
     assert got == status and message in out["error"]["message"], out
     assert set(out["error"]) == {"message", "type", "param", "code"}
+    assert post(server.url, "/v1/completions", dict(prompt="Hello", max_tokens=2))[0] == 200
+
+
+@pytest.fixture(scope="module")
+def log_softmax(model_dir):
+    """log_softmax(token ids) -> (len, vocab_size): Hugging Face's model's log-probabilities, fp32 on the CPU."""
+    hf = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    return lambda ids: torch.log_softmax(hf(torch.tensor([ids])).logits[0].detach().float(), -1)
+
+
+@pytest.mark.child_process
+def test_logprobs_echo_n_and_token_id_prompts(server, expected, log_softmax):
+    """Log-probabilities equal a log-softmax of Hugging Face's logits: of greedy tokens and of an
+    echoed prompt (max_tokens 0 scores it, as evaluation harnesses do); ids or text prompts; n choices."""
+    ids = TOK.encode("cat")
+    greedy = list(ids)
+    for _ in range(6):  # Hugging Face's greedy tokens
+        greedy.append(int(log_softmax(greedy)[-1].argmax()))
+    rows = log_softmax(greedy)  # row i predicts token i + 1
+    for body in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        status, out = post(server.url, "/v1/completions", dict(prompt=ids, max_tokens=6, logprobs=2, echo=True, **body))
+        assert status == 200, out
+        lp, n = out["choices"][0]["logprobs"], out["usage"]["completion_tokens"]
+        assert out["choices"][0]["text"].startswith("cat") and len(lp["tokens"]) == len(ids) + n
+        assert lp["token_logprobs"][0] is None and all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+        graded = len(greedy) - 1 if body["temperature"] == 0 else len(ids)  # sampled: the prompt's only
+        assert lp["token_logprobs"][1:graded] == pytest.approx([rows[i, greedy[i + 1]].item()
+                                                                for i in range(graded - 1)], abs=1e-4)
+    scored = post(server.url, "/v1/completions", dict(prompt="cat", max_tokens=0, echo=True, logprobs=0))[1]
+    assert (scored["choices"][0]["text"], scored["usage"]["completion_tokens"]) == ("cat", 0)
+    assert len(scored["choices"][0]["logprobs"]["token_logprobs"]) == len(ids)
+    by_ids = post(server.url, "/v1/completions", dict(prompt=[ids, TOK.encode("dog")], max_tokens=6, temperature=0))[1]
+    assert [c["text"] for c in by_ids["choices"]] == [expected("cat", 6)[0], expected("dog", 6)[0]]
+    out = post(server.url, "/v1/completions", dict(prompt=["cat", "dog"], n=2, max_tokens=8, temperature=1.0, seed=1))[1]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["choices"][0]["text"] != out["choices"][1]["text"]  # seeds 1 and 2
+    assert out["usage"]["prompt_tokens"] == 8 and out["usage"]["completion_tokens"] > 8
+
+
+@pytest.mark.child_process
+def test_a_chat_without_max_tokens_may_use_the_whole_room_and_reports_logprobs(server, expected):
+    messages = [{"role": "user", "content": "Why"}]
+    prompt = serve.chat_prompt(TOK, messages)
+    room = MAX_SEQ_LEN - sum(prefill_sections(len(TOK.encode(prompt)), BUCKETS))
+    chat = post(server.url, "/v1/chat/completions", dict(messages=messages, temperature=0, logprobs=True, top_logprobs=2))[1]
+    text, n, _ = expected(prompt, room)
+    assert (chat["choices"][0]["message"]["content"], chat["usage"]["completion_tokens"]) == (text, n)
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == n and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+    assert post(server.url, "/v1/chat/completions", dict(messages=messages, top_logprobs=2))[0] == 400
+
+
+@pytest.mark.child_process
+def test_an_oversize_body_is_413_before_it_is_read(server):
+    parts = urlsplit(server.url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(serve.MAX_BODY_BYTES + 1))
+    conn.endheaders()  # and no body: the answer comes from the headers alone
+    response = conn.getresponse()
+    assert response.status == 413 and "limit of 4194304" in json.loads(response.read())["error"]["message"]
+    conn.close()
     assert post(server.url, "/v1/completions", dict(prompt="Hello", max_tokens=2))[0] == 200
 
 
@@ -376,6 +447,15 @@ def test_a_full_queue_is_429(engine):
     assert client.get("/health").status_code == 503
 
 
+def test_a_chat_template_that_fails_is_a_json_400(engine, tmp_path):
+    tok = serve.read_tokenizer(word_tokenizer(tmp_path), None, tiny_config())
+    tok.chat_template = "{{ raise_exception('no system messages, please') }}"
+    r = TestClient(serve.app(engine, tok, "tiny")).post("/v1/chat/completions", json=dict(messages=[
+        {"role": "system", "content": "hi"}]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "the model's chat template rejected these messages: no system messages, please" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--slots", "0"], "argument --slots: '0' is not an int >= 1"),
     (["--port", "-1"], "argument --port: '-1' is not an int in [0, 65535]"),
@@ -438,8 +518,11 @@ def test_a_hugging_face_tokenizer_its_chat_template_or_the_plain_format(tmp_path
     assert prompt == llama3_chat(messages)
     ids = serve.encode(tok, prompt)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # the template's BOS, no second one
-    decode, eos_id = serve.decoder(tok)
-    assert eos_id == tok.convert_tokens_to_ids("<|eot_id|>") and "<|" not in decode(ids)
+    decode, eos_ids = serve.decoder(tok)
+    assert eos_ids == {tok.convert_tokens_to_ids("<|eot_id|>")} and "<|" not in decode(ids)
+    # Llama 3 lists several EOS ids in generation_config.json: each ends a request
+    GenerationConfig(eos_token_id=[3, 4]).save_pretrained(tmp_path)
+    assert serve.decoder(tok, tiny_config(), tmp_path)[1] == {tok.eos_token_id, 3, 4, tiny_config().eos_token_id}
 
 
 def test_default_mesh_replicates_kv_heads_where_needed():
