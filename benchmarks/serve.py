@@ -296,7 +296,8 @@ def start_server(folder, setup):
 
 def server_compiles(url):
     text = urllib.request.urlopen(f"{url}/metrics").read().decode()
-    return int(next(line.split()[-1] for line in text.splitlines() if line.startswith("llama_xla_compiles_since")))
+    return int(float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("llama_xla_compiles_since"))))  # prometheus_client writes 0.0
 
 
 def decode_steps(work):

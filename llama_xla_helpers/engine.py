@@ -351,6 +351,7 @@ class Engine:
         """Run one prompt section into the one-row cache; returns `prefill_step`'s device outputs."""
         pad = req.width - len(req.prompt)
         if start == 0:  # the request's sampling row (for its insert) and padding
+            req.scheduled_at = time.perf_counter()
             ints = self.put(torch.tensor([[0, req.width, pad, req.seed, req.top_k]]))  # (1, 5)
             req.row = (ints, self.put(torch.tensor([[req.temperature, req.top_p]])), self.put(torch.tensor([pad])))
         padded = [0] * pad + req.prompt + [0]  # left-padded, and a stand-in after the last token

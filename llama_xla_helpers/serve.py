@@ -11,20 +11,15 @@ notebook runs uvicorn in a thread of its kernel, not in a child process):
     engine.warmup()                                          # every graph compiles here, once
     server = start_in_thread(app(engine, tokenizer, "tiny-llama"), port=8000)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    server.stop()                                            # finishes the requests in flight
+    server.stop()                                            # drains the requests in flight, as SIGTERM does
 
 Two threads share the work. uvicorn's event loop answers HTTP; the engine loop (`Engine.run`)
 steps in a thread of its own, which the app starts and stops with itself (its lifespan). A
 request is submitted from the event loop; after each of its tokens the engine calls back in the
 engine's thread, and the callback only hands a snapshot (text, token count, finish reason) to
 the request's asyncio.Queue with `loop.call_soon_threadsafe`: the engine never waits for HTTP.
-A client that disconnects cancels its request, which frees its slot at the next step. SIGTERM
-(or Ctrl+C): uvicorn stops accepting connections and waits for the requests in flight while
-the engine keeps stepping; then the engine loop ends and the process exits with status 0.
 
-Endpoints, with OpenAI's names, defaults and error format ({"error": {"message", "type",
-"param", "code"}}, for every error: 400 for a bad parameter, 404 for an unknown model, 413 for a
-body over MAX_BODY_BYTES (4 MiB), 429 when the queue is full, 500 for a bug):
+Endpoints, with OpenAI's names and defaults:
 
 - POST /v1/completions: prompt (a string, a list of strings, a list of token ids, or a list of
   lists of ids), max_tokens (default 16), echo (the prompt before the completion; with logprobs,
@@ -38,24 +33,52 @@ body over MAX_BODY_BYTES (4 MiB), 429 when the queue is full, 500 for a bug):
   user. Log-probabilities are the model's, before temperature and top-k/top-p. Any other field
   is refused with a 400 that names it; presence_penalty, frequency_penalty, logit_bias, suffix,
   best_of, response_format, tools and tool_choice are refused unless they ask for nothing.
-  Responses carry `usage` and `finish_reason` ("stop": an EOS id of the model (all of those in its
-  config.json and generation_config.json) or a stop string; "length").
-  `stream: true` sends server-sent events, one chunk per new piece of text (with its tokens'
-  logprobs), then `data: [DONE]`. A streamed chunk holds back a tail that may be the start of a
-  stop string, so the chunks add up to exactly the text a non-streamed request returns.
-- GET /v1/models, GET /health (503 once the engine loop has stopped), GET /metrics (Prometheus
-  text: requests, tokens, busy slots, queue length, compilations since warm-up).
+  Responses carry `usage` (summed over the choices) and `finish_reason` ("stop": an EOS id of the
+  model (the tokenizer's and all of those in its config.json and generation_config.json) or a
+  stop string; "length"; "cancelled", see Faults).
+  `stream: true` sends server-sent events, one chunk per new piece of text (with its choice's
+  `index` and its tokens' logprobs), then `data: [DONE]`. A streamed chunk holds back a tail that
+  may be the start of a stop string, so the chunks add up to exactly the text a non-streamed
+  request returns.
+- GET /v1/models; GET /health ({"status": "ok"}, or 503 with the reason once the engine loop has
+  stopped or failed); GET /metrics (Prometheus text by prometheus_client, one registry per app, no
+  `_created` series): requests, tokens, busy slots, queue length, compilations since warm-up, and
+  histograms of queue time, time to first token, time per output token and end-to-end latency
+  of the requests that finished ("stop" or "length").
+
+Access, as vLLM's --api-key: with a key (--api-key, default $LLAMA_XLA_API_KEY; `app(api_key=)`)
+every /v1 request needs `Authorization: Bearer KEY`, else a 401; /health and /metrics stay open.
+Serving a host other than loopback without a key prints a warning.
+
+Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, whatever goes wrong:
+400 for a bad parameter (`param` names it) or a chat template that fails, 401 without the key,
+404 for an unknown model or route, 413 for a body over MAX_BODY_BYTES = 4 MiB (before it is
+parsed: at once by its Content-Length, or once that much of a chunked body has arrived; a
+128k-token prompt of ids is about 1 MB of JSON), 429 when max_queue requests wait, 500 for
+anything unexpected (its traceback goes to the log), 503 once the engine has failed.
 
 Prompts: /v1/completions encodes the prompt as it is (with BOS). /v1/chat/completions uses the
 tokenizer's chat template if it has one. Otherwise (the byte tokenizer of a training checkpoint,
 or a tokenizer without a template) it writes a plain transcript: one "role: content" line per
 message, then "assistant:".
 
+Faults:
+- A client that disconnects, streamed or not, cancels its requests: their slots free at the next
+  step, and cancelled requests still waiting no longer count against max_queue.
+- An exception in an engine step ends every running and waiting request with an error (a JSON 500,
+  or a streamed `data: {"error": ...}` event then `data: [DONE]`); /health answers 503 with the
+  reason, and the server stops: the command line exits with status 1, for a supervisor to restart
+  it. Nothing tries to recover: after a failed step the state of the device (caches, slots) is unknown.
+- SIGTERM or Ctrl+C (`Server.stop()` in a thread): uvicorn stops accepting connections, and the
+  requests in flight go on for at most --drain-timeout seconds (default 30); those left then end
+  with finish_reason "cancelled" (and [DONE]), and the process exits with status 0.
+
 Sources: the OpenAI API reference, completions https://platform.openai.com/docs/api-reference/completions,
 chat https://platform.openai.com/docs/api-reference/chat and streaming
 https://platform.openai.com/docs/api-reference/chat-streaming; JetStream's server over its engine,
-https://github.com/AI-Hypercomputer/JetStream; Prometheus' text format,
-https://prometheus.io/docs/instrumenting/exposition_formats/; uvicorn's graceful shutdown,
+https://github.com/AI-Hypercomputer/JetStream; vLLM's OpenAI server (--api-key, its metrics),
+https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html; prometheus_client,
+https://prometheus.github.io/client_python/; uvicorn's graceful shutdown,
 https://www.uvicorn.org/server-behavior/
 """
 import argparse
@@ -64,23 +87,31 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import itertools
 import json
 import math
+import os
 import re
+import secrets
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import jinja2
+import prometheus_client
 import torch_xla.runtime as xr
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from transformers import GenerationConfig, LlamaConfig
 
@@ -99,9 +130,11 @@ from .train import DTYPES, TrainConfig, build_model, mesh_arg, model_config
 MAX_SEQ_LEN = 2048  # the default cache length: max_position_embeddings, capped here
 BUCKETS = (128, 256, 384, 512)  # default prefill buckets: those up to half the cache
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-POLL_S = 0.5  # a waiting request checks this often whether its client is still there
 MAX_N = 16  # choices per prompt
 MAX_BODY_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt as ids is about 1 MB of JSON
+DRAIN_TIMEOUT = 30.0  # seconds that SIGTERM waits for the requests in flight
+LATENCY_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)  # histogram buckets, seconds
+TOKEN_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)  # the same, per output token
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -226,7 +259,7 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
         model = quantize_model(model, quantize)
     if mesh is not None:
         model = shard_for_inference(model, mesh)
-    decode, eos_ids = decoder(tokenizer, config, path if step is None else None)
+    decode, eos_ids = decoder(tokenizer, config, path)
     return Engine(model, slots, buckets, max_queue, eos_ids, decode, on_recompile="count"), tokenizer
 
 
@@ -235,15 +268,14 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
 def decoder(tokenizer, config=None, path=None):
     """(tokens -> text without special tokens, the EOS ids) for the Engine: the tokenizer's EOS and
     those of the model's config.json and generation_config.json (Llama 3 lists several)."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.decode, {tokenizer.eos_id}
-    ids = {tokenizer.eos_token_id} - {None}
+    byte = isinstance(tokenizer, ByteTokenizer)
+    ids = {tokenizer.eos_id if byte else tokenizer.eos_token_id} - {None}
     sources = [config] + ([GenerationConfig.from_pretrained(path)] if path and (Path(path) / GENERATION_CONFIG).is_file()
                           else [])
     for source in sources:
         eos = getattr(source, "eos_token_id", None)
         ids |= set([eos] if isinstance(eos, int) else eos or [])
-    return functools.partial(tokenizer.decode, skip_special_tokens=True), ids
+    return (tokenizer.decode if byte else functools.partial(tokenizer.decode, skip_special_tokens=True)), ids
 
 
 def encode(tokenizer, text):
@@ -293,7 +325,7 @@ class Sampling(BaseModel):
     top_p: float = 1.0
     top_k: int = Field(0, ge=-1, le=SAMPLE_TOP_K)  # vLLM's extension: 0 or -1, no limit
     seed: int | None = None
-    stop: str | list[str] | None = Field(None, max_length=4)
+    stop: str | list[str] | None = None  # up to 4 (`check_supported`), non-empty (the engine checks)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -312,6 +344,7 @@ class CompletionBody(Sampling):
 
 
 class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     role: str
     content: str
 
@@ -331,27 +364,103 @@ UNSUPPORTED = dict(presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(None
 
 
 def check_supported(body):
-    """400 naming a parameter this server does not implement, unless it has its no-op value."""
+    """400 naming a parameter this server does not implement, unless it has its no-op value, and
+    for what the types leave open: max_tokens 0 without echo, over 4 stop strings, stream_options
+    without stream."""
     for name, noop in UNSUPPORTED.items():
         value = getattr(body, name, noop if not isinstance(noop, tuple) else noop[0])
         if value not in (noop if isinstance(noop, tuple) else (noop,)):
             raise api_error(400, f"{name}={value!r} is not supported by this server; leave it out", param=name)
     if getattr(body, "best_of", None) not in (None, body.n):
         raise api_error(400, f"best_of={body.best_of} is not supported (only best_of == n); leave it out", param="best_of")
+    if body.max_tokens == 0 and not getattr(body, "echo", False):
+        raise api_error(400, "max_tokens=0 must be an int >= 1 (0 only with echo, to score the prompt)",
+                        param="max_tokens")
+    if isinstance(body.stop, list) and len(body.stop) > 4:
+        raise api_error(400, f"stop={body.stop!r} holds more than 4 stop strings (OpenAI's limit)", param="stop")
+    if body.stream_options and not body.stream:
+        raise api_error(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+
+METRICS = (  # engine.metrics() key, Prometheus type, help
+    ("requests_total", "counter", "Requests accepted into the engine's queue."),
+    ("tokens_total", "counter", "Tokens generated."),
+    ("slots_busy", "gauge", "Slots holding a request."),
+    ("slots", "gauge", "Slots: rows of the decode batch."),
+    ("queue_length", "gauge", "Requests waiting for a slot."),
+    ("compiles_since_warmup", "gauge", "XLA compilations after warm-up; anything but 0 costs seconds per request."),
+)
+HISTOGRAMS = (  # name, help, buckets: over the requests that finished ("stop" or "length")
+    ("request_queue_time_seconds", "Time from arrival to the first prompt section.", LATENCY_S),
+    ("time_to_first_token_seconds", "Time from arrival to the first token.", LATENCY_S),
+    ("time_per_output_token_seconds", "Time from the first token to the last, per later token.", TOKEN_S),
+    ("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_S),
+)
+
+
+class EngineMetrics:
+    """The engine's counters and gauges (`METRICS`) for a prometheus_client registry, read at each scrape."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        values = self.engine.metrics()
+        for key, kind, help in METRICS:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"llama_xla_{key}", help, value=values[key])
 
 
 @dataclasses.dataclass
 class Served:
+    """What the routes share: the engine, its tokenizer and name, the metrics and the server's state."""
     engine: Engine
     tokenizer: object
     model_name: str
     thread: threading.Thread = None  # the engine loop, while the app runs
+    fault: str = None  # the exception that stopped the engine loop
+    requests: set = dataclasses.field(default_factory=set)  # the engine requests of the HTTP requests in flight
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # a submit against a fault
+    registry: prometheus_client.CollectorRegistry = dataclasses.field(init=False)
+    histograms: dict = dataclasses.field(init=False)  # HISTOGRAMS' names -> prometheus_client.Histogram
+
+    def __post_init__(self):
+        prometheus_client.disable_created_metrics()  # for the whole process: no `_created` series
+        self.registry = prometheus_client.CollectorRegistry()  # the app's own: two apps in a process work
+        self.registry.register(EngineMetrics(self.engine))
+        self.histograms = {name: prometheus_client.Histogram(f"llama_xla_{name}", help, buckets=buckets,
+                                                             registry=self.registry)
+                           for name, help, buckets in HISTOGRAMS}
 
     def running(self):
         return self.thread is not None and self.thread.is_alive()
 
+    def observe(self, req):
+        """A finished request's latencies, into the histograms."""
+        if req.finish_reason not in ("stop", "length"):
+            return
+        h, n = self.histograms, len(req.tokens)
+        h["request_queue_time_seconds"].observe(req.scheduled_at - req.submitted_at)
+        h["time_to_first_token_seconds"].observe(req.first_token_at - req.submitted_at)
+        h["e2e_request_latency_seconds"].observe(req.finished_at - req.submitted_at)
+        if n > 1:
+            h["time_per_output_token_seconds"].observe((req.finished_at - req.first_token_at) / (n - 1))
 
-Update = collections.namedtuple("Update", "index text count reason")  # a choice after a step: text, tokens, finish reason
+    def release(self, reqs):
+        """An HTTP request has ended: cancel its engine requests that have not finished (their slots
+        free at the next step)."""
+        for req in reqs:
+            self.requests.discard(req)
+            if not req.done:
+                self.engine.cancel(req)
+
+    def cancel_all(self):
+        """Cancel every request in flight (SIGTERM's drain timeout)."""
+        for req in list(self.requests):
+            self.engine.cancel(req)
+
+
+Update = collections.namedtuple("Update", "index text count reason error")  # a choice after a step
 
 
 def api_error(status, message, type="invalid_request_error", param=None, code=None):
@@ -369,33 +478,57 @@ async def http_error(request, exc):
 async def bad_request(request, exc):
     """A body that does not validate: 400 as OpenAI answers (FastAPI's default is 422)."""
     first = exc.errors()[0]
-    param = ".".join(map(str, first["loc"][1:])) or None  # loc: ("body", "max_tokens")
-    return await http_error(request, api_error(400, f"{param}: {first['msg']}" if param else first["msg"], param=param))
+    where = ".".join(map(str, first["loc"][1:]))  # loc: ("body", "max_tokens"), ("body", "prompt", "str")...
+    message = f"{where}: {first['msg']}" if where else first["msg"]
+    return await http_error(request, api_error(400, message, param=where.split(".")[0] or None))
 
 
 async def server_error(request, exc):
-    """A bug: a JSON 500 (the traceback goes to the server's log)."""
+    """A bug: a JSON 500 (Starlette then raises exc again, and uvicorn logs its traceback)."""
     return await http_error(request, api_error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
 
-async def limit_body(request, call_next):
-    """413 for a body over MAX_BODY_BYTES (its Content-Length), before it is read."""
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        return await http_error(request, api_error(
-            413, f"the request body is {size} bytes, more than this server's limit of {MAX_BODY_BYTES}; send "
-                 f"a shorter prompt", code="body_too_large"))
-    return await call_next(request)
+class Guard:
+    """ASGI middleware in front of every route: /v1 needs the API key, if there is one, and a body over
+    MAX_BODY_BYTES is a 413 before anything parses it (at once by its Content-Length, else once that
+    much of a chunked body has arrived)."""
+
+    def __init__(self, app, api_key=None):
+        self.app, self.authorization = app, api_key and f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.authorization and scope["path"].startswith("/v1") and not secrets.compare_digest(
+                headers.get(b"authorization", b""), self.authorization):
+            error = api_error(401, "a missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                              "authentication_error", code="invalid_api_key")
+            return await JSONResponse({"error": error.detail}, 401)(scope, receive, send)
+        length, received = int(headers.get(b"content-length", 0)), 0
+
+        async def receive_at_most():
+            nonlocal received
+            message = await receive() if length <= MAX_BODY_BYTES else {}
+            received += len(message.get("body", b""))
+            if max(length, received) > MAX_BODY_BYTES:
+                raise api_error(413, f"the request body holds more than this server's limit of {MAX_BODY_BYTES} "
+                                     f"bytes; send a shorter prompt", code="body_too_large")
+            return message
+        await self.app(scope, receive_at_most, send)
 
 
-def submit(served, request, body, prompts):
+def submit(served, body, prompts):
     """Queue body.n requests per prompt; returns (engine Requests, async iterator of their Updates).
-    400 for a value the engine rejects, 429 when the queue is full (then none is queued)."""
+    All or none: 400 for a value the engine rejects, 429 when the queue is full, 503 once the
+    engine has failed."""
     loop, queue, reqs = asyncio.get_running_loop(), asyncio.Queue(), []
 
     def callback(index):  # runs in the engine's thread: hand over a snapshot, never block
         def put(req):
-            update = Update(index, req.text, len(req.tokens), req.finish_reason)
+            if req.done:
+                served.observe(req)
+            update = Update(index, req.text, len(req.tokens), req.finish_reason, req.error)
             with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is waiting
                 loop.call_soon_threadsafe(queue.put_nowait, update)
         return put
@@ -407,41 +540,32 @@ def submit(served, request, body, prompts):
     else:
         logprobs = body.logprobs
     try:
-        for i, prompt in enumerate(prompts):
-            for j in range(body.n):
-                max_tokens = body.max_tokens or 1  # 0 with echo: score the prompt, keep no token
-                reqs.append(served.engine.submit(
-                    prompt, max_tokens, body.temperature, body.top_p, None if body.seed is None else body.seed + j,
-                    body.stop or (), callback(i * body.n + j), max(body.top_k, 0), logprobs,
-                    prompt_logprobs=getattr(body, "echo", False) and logprobs is not None))
+        with served.lock:  # not while the engine thread records a fault: see `run_engine`
+            if served.fault:
+                raise api_error(503, f"the engine failed ({served.fault}); the server is stopping", "server_error")
+            for i, prompt in enumerate(prompts):
+                for j in range(body.n):
+                    max_tokens = body.max_tokens or 1  # 0 with echo: score the prompt, keep no token
+                    reqs.append(served.engine.submit(
+                        prompt, max_tokens, body.temperature, body.top_p, None if body.seed is None else body.seed + j,
+                        body.stop or (), callback(i * body.n + j), max(body.top_k, 0), logprobs,
+                        prompt_logprobs=getattr(body, "echo", False) and logprobs is not None))
     except (QueueFull, ValueError) as e:
-        for req in reqs:
-            served.engine.cancel(req)
+        served.release(reqs)
         if isinstance(e, QueueFull):
             raise api_error(429, str(e), "rate_limit_error", code="queue_full") from None
         name = re.match(r"(\w+)=", str(e))  # the engine names the value, e.g. "top_p=0.0 must be in (0, 1]"
         raise api_error(400, str(e), param=name[1] if name and name[1] in type(body).model_fields else None) from None
-    return reqs, updates(served, request, reqs, queue)
+    served.requests.update(reqs)
+    return reqs, updates(queue, len(reqs))
 
 
-async def updates(served, request, reqs, queue):
-    """The requests' Updates as the engine makes them, until all have finished. Those still running
-    are cancelled (their slots freed) if this ends first: the client disconnected, or a stream was closed."""
-    running = len(reqs)
-    try:
-        while running:
-            try:
-                update = await asyncio.wait_for(queue.get(), POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected() or not served.running():
-                    return
-                continue
-            yield update
-            running -= update.reason is not None
-    finally:
-        for req in reqs:
-            if not req.done:
-                served.engine.cancel(req)
+async def updates(queue, n):
+    """The Updates of n requests as the engine makes them, until all have finished."""
+    while n:
+        update = await queue.get()
+        n -= update.reason is not None
+        yield update
 
 
 def token_text(tokenizer, token):
@@ -471,6 +595,7 @@ class Choices:
 
     def __init__(self, served, body, prompts, reqs, chat):
         self.tokenizer, self.body, self.prompts, self.reqs, self.chat = served.tokenizer, body, prompts, reqs, chat
+        self.decode = served.engine.decode  # tokens -> text without special tokens (`decoder`)
         self.scoring = not chat and body.echo and body.max_tokens == 0  # the prompt only
         self.logprobs = reqs[0].logprobs is not None
 
@@ -479,11 +604,7 @@ class Choices:
         if self.chat or not self.body.echo:
             return "", [], []
         prompt = self.prompts[index // self.body.n]
-        return self.tokenizer_text(prompt), [None] + self.reqs[index].prompt_token_logprobs, prompt
-
-    def tokenizer_text(self, tokens):
-        return self.tokenizer.decode(tokens) if isinstance(self.tokenizer, ByteTokenizer) else \
-            self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.decode(prompt), [None] + self.reqs[index].prompt_token_logprobs, prompt
 
     def logprobs_of(self, index, start, end, with_prompt=False):
         """The logprobs object of choice `index`'s tokens [start, end) (and its prompt's, first)."""
@@ -521,12 +642,15 @@ class Choices:
 async def events(head, choices, stream):
     """Server-sent events of a streamed response: per choice, a chunk per piece of settled text
     (with the logprobs of its new tokens), the last with finish_reason; a usage chunk if asked for;
-    then [DONE]. If the engine stops first, an error event, then [DONE]."""
+    then [DONE]. If the engine failed, an error event instead of the rest, then [DONE]."""
     body, chat = choices.body, choices.chat
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     n = len(choices.reqs)
-    sent, counted, first = [""] * n, [0] * n, [True] * n
+    sent, counted, first, error = [""] * n, [0] * n, [True] * n, None
     async for u in stream:
+        if u.error:
+            error = u.error
+            continue
         i, count = u.index, 0 if choices.scoring else u.count
         text = "" if choices.scoring else (u.text if u.reason else settled(u.text, stop)) or ""
         if u.reason or len(text) > len(sent[i]) or first[i]:
@@ -540,12 +664,33 @@ async def events(head, choices, stream):
                 chunk = dict(index=i, text=delta, logprobs=logprobs, finish_reason=u.reason)
             yield f"data: {json.dumps({**head, 'choices': [chunk]})}\n\n"
             sent[i], counted[i], first[i] = text, count, False
-    if not all(r.done for r in choices.reqs):  # the engine stopped, or the client left
-        error = api_error(503, "the engine stopped before the request finished; see the server's log", "server_error")
-        yield f"data: {json.dumps({'error': error.detail})}\n\n"
+    if error:
+        yield f"data: {json.dumps({'error': api_error(500, error, 'server_error').detail})}\n\n"
     elif body.stream_options and body.stream_options.include_usage:
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': choices.usage()})}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def disconnected(request):
+    """Returns once the client has closed the connection (after the body, receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request, coroutine):
+    """coroutine's result, or None if the client disconnects first (the coroutine is then cancelled)."""
+    work, left = asyncio.ensure_future(coroutine), asyncio.ensure_future(disconnected(request))
+    try:
+        done, _ = await asyncio.wait((work, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        work.cancel()
+        left.cancel()
+    return work.result() if work in done else None
+
+
+async def errors_of(stream):
+    """The errors of a stream's Updates, read to its end."""
+    return [u.error async for u in stream if u.error]
 
 
 async def respond(request, body, prompts, chat):
@@ -555,17 +700,22 @@ async def respond(request, body, prompts, chat):
         raise api_error(404, f"the model {body.model!r} does not exist; this server serves {served.model_name!r}",
                         param="model", code="model_not_found")
     check_supported(body)
-    reqs, stream = submit(served, request, body, prompts)
+    reqs, stream = submit(served, body, prompts)
     choices = Choices(served, body, prompts, reqs, chat)
     kind = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
     head = dict(id=f"{kind[1]}-{reqs[0].id}", object=kind[0], created=int(time.time()), model=served.model_name)
-    if body.stream:
+    if body.stream:  # once the stream ends (the client may have left), its unfinished requests are cancelled
         head["object"] += ".chunk" if chat else ""
-        return StreamingResponse(events(head, choices, stream), media_type="text/event-stream")
-    async for _ in stream:
-        pass
-    if not all(r.done for r in reqs):  # the client left (nobody reads this) or the engine stopped
-        raise api_error(503, "the engine stopped before the request finished; see the server's log", "server_error")
+        return StreamingResponse(events(head, choices, stream), media_type="text/event-stream",
+                                 background=BackgroundTask(served.release, reqs))
+    try:
+        errors = await unless_disconnected(request, errors_of(stream))
+    finally:
+        served.release(reqs)
+    if errors is None:
+        raise api_error(499, "the client closed the connection")  # nobody reads this
+    if errors:
+        raise api_error(500, errors[0], "server_error")
     return {**head, "choices": [choices.final(i) for i in range(len(reqs))], "usage": choices.usage()}
 
 
@@ -588,9 +738,6 @@ async def completions(request: Request, body: CompletionBody):
     served = request.app.state.served
     if body.max_tokens is None:
         body.max_tokens = 16  # OpenAI's default for completions
-    if body.max_tokens == 0 and not body.echo:
-        raise api_error(400, "max_tokens=0 must be an int >= 1 (0 only with echo, to score the prompt)",
-                        param="max_tokens")
     return await respond(request, body, completion_prompts(served.tokenizer, body.prompt, served.engine.vocab_size),
                          chat=False)
 
@@ -598,7 +745,10 @@ async def completions(request: Request, body: CompletionBody):
 async def chat_completions(request: Request, body: ChatBody):
     served = request.app.state.served
     prompt = encode(served.tokenizer, chat_prompt(served.tokenizer, [m.model_dump() for m in body.messages]))
-    body.max_tokens = body.max_completion_tokens or body.max_tokens or served.engine.room(len(prompt))
+    if body.max_completion_tokens is not None:
+        body.max_tokens = body.max_completion_tokens
+    if body.max_tokens is None:  # at least 1: a prompt too long gets the engine's message
+        body.max_tokens = max(1, served.engine.room(len(prompt)))
     return await respond(request, body, [prompt], chat=True)
 
 
@@ -608,39 +758,41 @@ async def models(request: Request):
 
 
 async def health(request: Request):
-    if request.app.state.served.running():
-        return dict(status="ok")
-    return JSONResponse(dict(status="the engine loop is not running"), 503)
-
-
-METRICS = (  # engine.metrics() key, Prometheus type, help
-    ("requests_total", "counter", "Requests accepted into the engine's queue."),
-    ("tokens_total", "counter", "Tokens generated."),
-    ("slots_busy", "gauge", "Slots holding a request."),
-    ("slots", "gauge", "Slots: rows of the decode batch."),
-    ("queue_length", "gauge", "Requests waiting for a slot."),
-    ("compiles_since_warmup", "gauge", "XLA compilations after warm-up; anything but 0 costs seconds per request."),
-)
+    served = request.app.state.served
+    if served.fault:
+        return JSONResponse(dict(status="error", message=f"the engine failed: {served.fault}"), 503)
+    if not served.running():
+        return JSONResponse(dict(status="error", message="the engine loop is not running"), 503)
+    return dict(status="ok")
 
 
 async def metrics(request: Request):
-    values = request.app.state.served.engine.metrics()
-    lines = []
-    for key, kind, help in METRICS:
-        lines += [f"# HELP llama_xla_{key} {help}", f"# TYPE llama_xla_{key} {kind}", f"llama_xla_{key} {values[key]}"]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    registry = request.app.state.served.registry
+    return Response(prometheus_client.generate_latest(registry), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
 
-def app(engine, tokenizer, model_name):
-    """The FastAPI app serving a warmed-up `engine` as `model_name`. While the app runs (its
-    lifespan: from the server's start until its last request has finished), the engine loop
-    steps in a background thread."""
+def run_engine(served, stop):
+    """The engine loop (`Engine.run`) in its thread. If a step raises, every request ends with the
+    error, and the server stops (Faults, in the module docstring)."""
+    try:
+        served.engine.run(stop)
+    except Exception as e:
+        traceback.print_exc()
+        with served.lock:  # from here on `submit` refuses: every request in the engine gets the error
+            served.fault = f"{type(e).__name__}: {e}"
+        served.engine.abort(f"the engine failed ({served.fault}); the server is stopping, see its log")
+
+
+def app(engine, tokenizer, model_name, api_key=None):
+    """The FastAPI app serving a warmed-up `engine` as `model_name`; with an `api_key`, /v1 needs it.
+    While the app runs (its lifespan: from the server's start until its last request has
+    finished), the engine loop steps in a background thread."""
     served = Served(engine, tokenizer, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
         stop = threading.Event()
-        served.thread = threading.Thread(target=engine.run, args=(stop,), name="engine", daemon=True)
+        served.thread = threading.Thread(target=run_engine, args=(served, stop), name="engine", daemon=True)
         served.thread.start()
         yield
         stop.set()  # uvicorn has finished every request: the loop returns once idle
@@ -651,7 +803,7 @@ def app(engine, tokenizer, model_name):
     api.add_exception_handler(HTTPException, http_error)
     api.add_exception_handler(RequestValidationError, bad_request)
     api.add_exception_handler(Exception, server_error)
-    api.middleware("http")(limit_body)
+    api.add_middleware(Guard, api_key=api_key)
     api.post("/v1/completions")(completions)
     api.post("/v1/chat/completions")(chat_completions)
     for path, endpoint in (("/v1/models", models), ("/health", health), ("/metrics", metrics)):
@@ -676,12 +828,17 @@ def listen(host, port):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server on a bound socket; prints `ready on URL` once it listens."""
+    """uvicorn's server for an `app`, on a bound socket: prints `ready on URL` once it listens, stops
+    once the engine has failed, and when it stops, cancels the requests still running after
+    drain_timeout seconds."""
 
-    def __init__(self, app, sock, debug=False):
-        super().__init__(uvicorn.Config(app, log_level="info" if debug else "warning", access_log=debug))
+    def __init__(self, app, sock, debug=False, drain_timeout=DRAIN_TIMEOUT):
+        # uvicorn's own limit comes later, for requests that a cancel cannot end (a stuck engine)
+        super().__init__(uvicorn.Config(app, log_level="info" if debug else "warning", access_log=debug,
+                                        timeout_graceful_shutdown=drain_timeout + 10))
         host, port = sock.getsockname()[:2]
         self.sock, self.url = sock, f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        self.served, self.drain_timeout = app.state.served, drain_timeout
         self.ready, self.thread = threading.Event(), None
 
     async def startup(self, sockets=None):
@@ -690,19 +847,35 @@ class Server(uvicorn.Server):
             print(f"ready on {self.url}", flush=True)
             self.ready.set()
 
+    async def on_tick(self, counter):
+        return await super().on_tick(counter) or self.served.fault is not None
+
+    async def shutdown(self, sockets=None):
+        drain = asyncio.get_running_loop().call_later(self.drain_timeout, self.drain_expired)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+    def drain_expired(self):
+        print(f"drain timeout ({self.drain_timeout:g} s): cancelling {len(self.served.requests)} request(s) still "
+              "running", flush=True)
+        self.served.cancel_all()
+
     def run(self):
         super().run(sockets=[self.sock])
 
     def stop(self):
-        """Stop a server started by `start_in_thread`: the requests in flight finish first."""
+        """Stop a server started by `start_in_thread`: the requests in flight finish first (or are
+        cancelled after drain_timeout seconds)."""
         self.should_exit = True
         self.thread.join()
 
 
-def start_in_thread(app, host="127.0.0.1", port=8000, debug=False):
+def start_in_thread(app, host="127.0.0.1", port=8000, debug=False, drain_timeout=DRAIN_TIMEOUT):
     """Serve `app` from a background thread of this process; returns the `Server` (its .url, .stop())
     once it listens. For a notebook on a TPU, whose chips a child process could not open."""
-    server = Server(app, listen(host, port), debug)
+    server = Server(app, listen(host, port), debug, drain_timeout)
     server.thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     server.thread.start()
     while not server.ready.wait(0.1):
@@ -711,16 +884,24 @@ def start_in_thread(app, host="127.0.0.1", port=8000, debug=False):
     return server
 
 
-def int_arg(low, high=None):
-    """An argparse type: an int in [low, high]."""
+def loopback(host):
+    """Whether host is a loopback address (or "localhost")."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def bounded(low, high=math.inf, kind=int):
+    """An argparse type: an int (kind=int) or a finite number (kind=float) in [low, high]."""
     def parse(text):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
             value = None
-        if value is None or value < low or (high is not None and value > high):
-            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int {bounds}")
+        if value is None or not math.isfinite(value) or not low <= value <= high:
+            bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'} {bounds}")
         return value
     return parse
 
@@ -729,16 +910,20 @@ def parse_args(argv=None):
     parser = ArgumentParser(prog="python -m llama_xla_helpers.serve", description=__doc__.split("\n")[0])
     parser.add_argument("dir", help="a local Hugging Face folder (config.json + *.safetensors), or a training "
                                     "checkpoint (a step_XXXXXXXX folder or the folder holding them)")
-    parser.add_argument("--slots", type=int_arg(1), help="requests decoded together (default 4)")
-    parser.add_argument("--max-seq-len", type=int_arg(2), help="KV cache length per slot (default: the config's "
+    parser.add_argument("--slots", type=bounded(1), help="requests decoded together (default 4)")
+    parser.add_argument("--max-seq-len", type=bounded(2), help="KV cache length per slot (default: the config's "
                                                                f"max_position_embeddings, at most {MAX_SEQ_LEN})")
-    parser.add_argument("--max-queue", type=int_arg(1), default=64, help="requests waiting for a slot before 429")
+    parser.add_argument("--max-queue", type=bounded(1), default=64, help="requests waiting for a slot before 429")
     parser.add_argument("--mesh", type=mesh_arg, help="data,model devices, e.g. 1,8 (default: picked for the devices "
                                                       "and the model's heads)")
     parser.add_argument("--buckets", type=int_list("128,256,512"), help="prefill lengths, e.g. 128,256,512 (default: "
                                                          f"{','.join(map(str, BUCKETS))}, those up to half the cache)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int_arg(0, 65535), default=8000, help="0: any free port")
+    parser.add_argument("--port", type=bounded(0, 65535), default=8000, help="0: any free port")
+    parser.add_argument("--api-key", default=os.environ.get("LLAMA_XLA_API_KEY"),
+                        help="every /v1 request must send 'Authorization: Bearer KEY' (default: $LLAMA_XLA_API_KEY)")
+    parser.add_argument("--drain-timeout", type=bounded(0, kind=float), default=DRAIN_TIMEOUT, metavar="SECONDS",
+                        help="on SIGTERM, how long the requests in flight may go on before they are cancelled")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization")
@@ -752,6 +937,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not args.api_key and not loopback(args.host):
+        print(f"warning: serving on {args.host} without an API key, for anyone who reaches the port; pass "
+              f"--api-key KEY or set LLAMA_XLA_API_KEY", file=sys.stderr, flush=True)
     with user_errors(args.debug):
         init_runtime(math.prod(args.mesh) if args.mesh else None, cache_dir=args.compile_cache,
                      cache_readonly=args.compile_cache_readonly)  # the cache before anything compiles
@@ -765,12 +953,16 @@ def main(argv=None):
     start = time.perf_counter()
     compiles = engine.warmup()
     print(f"warm-up: {compiles} graphs compiled in {time.perf_counter() - start:.1f} s", flush=True)
-    server = Server(app(engine, tokenizer, Path(args.dir).resolve().name), sock, args.debug)
+    server = Server(app(engine, tokenizer, Path(args.dir).resolve().name, args.api_key), sock, args.debug,
+                    args.drain_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn handles them while it runs, then raises the one
         signal.signal(sig, signal.SIG_IGN)        # it caught again: ignored, so the process exits with 0
     server.run()
-    m = engine.metrics()
-    print(f"stopped: {m['requests_total']} requests, {m['tokens_total']} tokens", flush=True)
+    m, fault = engine.metrics(), server.served.fault
+    print(f"stopped: {m['requests_total']} requests, {m['tokens_total']} tokens"
+          + (f"; the engine failed: {fault}" if fault else ""), flush=True)
+    if fault:
+        raise SystemExit(1)  # for a supervisor to restart the server
 
 
 if __name__ == "__main__":

@@ -3,14 +3,20 @@
 One real server process (python -m llama_xla_helpers.serve, on 127.0.0.1, a free port) serves a
 tiny random Llama that the tests write themselves (no tokenizer: the byte tokenizer). The tests
 call it with the official `openai` client and with plain HTTP, in bursts, streamed and not, with
-bad parameters and clients that leave, check /metrics (no compilation after warm-up), compare
-every greedy text with `Generator`'s for the same prompt, and end with SIGTERM while a request is
-in flight. A full queue is checked on the app in this process; bad command lines on `main`.
-Tests run in file order: the last one stops the shared server.
+bad parameters, n choices and token-id prompts, check /metrics (parsed by prometheus_client: no
+compilation after warm-up, the latency histograms), compare every greedy text with `Generator`'s
+for the same prompt, and end with SIGTERM while a request is in flight. Two more processes run the
+server with a step the test changes (`PATCHED`, a `python -c` script: nothing in the package knows
+of it): one whose steps are slow, for clients that leave and for SIGTERM's drain timeout, and one
+whose step raises, for the fault. A full queue, the API key, the chat template's errors, every EOS
+id and /health after a fault are checked on the app in this process; bad command lines on `main`.
+Tests run in file order: the last one of each process stops it.
 """
 import functools
 import http.client
 import json
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +32,8 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from transformers import GenerationConfig, LlamaForCausalLM
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from llama_xla_helpers import checkpoint, serve
 from llama_xla_helpers.configs import get_config
@@ -44,6 +51,22 @@ from util import teacher_forced_agreement
 MAX_SEQ_LEN, BUCKETS = 128, (8, 32)
 SERVE = [sys.executable, "-m", "llama_xla_helpers.serve"]
 TOK = ByteTokenizer()
+LONG = "cat"  # a prompt whose greedy run reaches no EOS in 120 tokens, all the cache's room (asserted)
+# The server's command line with its engine loop changed (only the loop's steps: warm-up is as it is):
+# each step first sleeps step_s seconds, and with fault=True a step raises once 20 tokens are out.
+PATCHED = """import sys, time
+from llama_xla_helpers import engine, serve
+def run(self, stop, run=engine.Engine.run, step=engine.Engine.step):
+    def patched():
+        time.sleep({step_s})
+        if {fault} and self.metrics()["tokens_total"] >= 20:
+            raise RuntimeError("injected fault")
+        return step(self)
+    self.step = patched
+    return run(self, stop)
+engine.Engine.run = run
+serve.main(sys.argv[1:])
+"""
 
 
 def tiny_config():
@@ -64,9 +87,10 @@ class ServerProcess:
     """`python -m llama_xla_helpers.serve` on a free port. It starts at once; `url` waits until
     it prints `ready on URL` (so a test can compute its expected values meanwhile)."""
 
-    def __init__(self, args, log):
+    def __init__(self, args, log, patch=None):
         self.log = log
-        self.proc = subprocess.Popen(SERVE + [*map(str, args), "--port", "0"], stdout=subprocess.PIPE,
+        command = [sys.executable, "-c", patch] if patch else SERVE
+        self.proc = subprocess.Popen(command + [*map(str, args), "--port", "0"], stdout=subprocess.PIPE,
                                      stderr=open(log, "w"), text=True)
         self.lines, self.ready = [], threading.Event()
         threading.Thread(target=self.read, daemon=True).start()
@@ -104,14 +128,33 @@ def server(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
-    """expected(prompt, max_tokens) -> (text, completion tokens, finish reason) from `Generator`,
-    greedy, stopping at the byte tokenizer's EOS as the server does."""
+def slow_server(model_dir, tmp_path_factory):
+    """The server with steps of 30 ms more (`PATCHED`), 2 slots, a queue of 2 and --drain-timeout 1:
+    a request for 120 tokens takes 4 s."""
+    running = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", 8, "--dtype", "fp32", "--slots", 2,
+                             "--max-queue", 2, "--drain-timeout", 1], tmp_path_factory.mktemp("log") / "slow.log",
+                            patch=PATCHED.format(step_s=0.03, fault=False))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def greedy(model_dir):
+    """greedy(prompt, max_tokens) -> the tokens of `Generator`, stopping at the byte tokenizer's EOS."""
     gen = Generator(Llama.from_pretrained(model_dir, max_batch_size=1, max_seq_len=MAX_SEQ_LEN), buckets=BUCKETS)
 
     @functools.cache
     def run(prompt, max_tokens):
         [tokens], _ = gen.generate([TOK.encode(prompt)], max_tokens, eos_id=TOK.eos_id)
+        return tuple(tokens)
+    return run
+
+
+@pytest.fixture(scope="module")
+def expected(greedy):
+    """expected(prompt, max_tokens) -> (text, completion tokens, finish reason) of `greedy`, as the server answers."""
+    def run(prompt, max_tokens):
+        tokens = greedy(prompt, max_tokens)
         return TOK.decode(tokens), len(tokens), "stop" if tokens[-1] == TOK.eos_id else "length"
     return run
 
@@ -146,10 +189,32 @@ def events(response):
             yield data if data == "[DONE]" else json.loads(data)
 
 
-def metrics(url):
+def metric_families(url):
+    """/metrics, parsed by prometheus_client: {family name: family}."""
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    return {line.split()[0].removeprefix("llama_xla_"): float(line.split()[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def metrics(url):
+    """{sample name without llama_xla_: value} of /metrics' samples without labels (not a histogram's buckets)."""
+    return {s.name.removeprefix("llama_xla_"): s.value
+            for f in metric_families(url).values() for s in f.samples if not s.labels}
+
+
+def send(url, body):
+    """A socket that has sent a non-streamed POST /v1/completions; `answer(sock)` reads the response."""
+    parts, data = urlsplit(url), json.dumps(body).encode()
+    sock = socket.create_connection((parts.hostname, parts.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def answer(sock):
+    """(status, JSON body) of the response on a socket from `send`."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, json.loads(response.read())
 
 
 def wait_for(condition, timeout=30):
@@ -201,7 +266,7 @@ def test_a_stream_adds_up_to_the_greedy_text(server, expected, chat):
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [want[2]]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == want[1]
     assert not chat or pieces[0]["role"] == "assistant"
-    status, whole = post(server.url, path, {**body, "stream": False})
+    status, whole = post(server.url, path, {**body, "stream": False, "stream_options": None})
     assert status == 200 and (whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"]) == text
 
 
@@ -244,7 +309,13 @@ BAD = [
     (dict(top_k=65), 400, "top_k: Input should be less than or equal to 64"),
     (dict(logprobs=21), 400, "logprobs: Input should be less than or equal to 20"),
     (dict(stop=["a", ""]), 400, "every stop string must be a non-empty string"),
-    (dict(stop=list("abcde")), 400, "stop: Value should have at most 4 items"),
+    (dict(stop=list("abcde")), 400, "stop=['a', 'b', 'c', 'd', 'e'] holds more than 4 stop strings"),
+    (dict(stream_options=dict(include_usage=True)), 400, "stream_options is only allowed with stream: true"),
+    (dict(prompt=[]), 400, "prompt is empty"),
+    (dict(prompt=[[1, 2], []]), 400, "a prompt is empty"),
+    (dict(prompt=[1, "a"]), 400, "prompt."),
+    (dict(logit_bias={"50": 10}), 400, "logit_bias={'50': 10} is not supported by this server"),
+    (dict(suffix="end"), 400, "suffix='end' is not supported by this server"),
     (dict(presence_penalty=0.5), 400, "presence_penalty=0.5 is not supported by this server"),
     (dict(best_of=3), 400, "best_of=3 is not supported"),
     (dict(temprature=0.5), 400, "temprature: Extra inputs are not permitted"),
@@ -261,6 +332,8 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_goes_on(server, body,
     got, out = post(server.url, "/v1/completions", body)
     assert got == status and message in out["error"]["message"], out
     assert set(out["error"]) == {"message", "type", "param", "code"}
+    name = re.match(r"\w+", message)[0]  # the parameter, where the message names one first
+    assert out["error"]["param"] == name or not isinstance(body, dict) or name not in body, out
     assert post(server.url, "/v1/completions", dict(prompt="Hello", max_tokens=2))[0] == 200
 
 
@@ -314,60 +387,112 @@ def test_a_chat_without_max_tokens_may_use_the_whole_room_and_reports_logprobs(s
 
 
 @pytest.mark.child_process
-def test_an_oversize_body_is_413_before_it_is_read(server):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_oversize_body_is_413_before_it_is_read(server, chunked):
+    """By its Content-Length, at once (no body is sent); or once more than MAX_BODY_BYTES of a
+    chunked body have arrived. A prompt of 100k token ids (about 600 kB) is within the limit."""
     parts = urlsplit(server.url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     conn.putrequest("POST", "/v1/completions")
     conn.putheader("Content-Type", "application/json")
-    conn.putheader("Content-Length", str(serve.MAX_BODY_BYTES + 1))
-    conn.endheaders()  # and no body: the answer comes from the headers alone
+    if chunked:
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        data = b" " * (serve.MAX_BODY_BYTES + 1)
+        conn.send(b"%x\r\n%s\r\n" % (len(data), data))
+    else:
+        conn.putheader("Content-Length", str(serve.MAX_BODY_BYTES + 1))
+        conn.endheaders()  # and no body: the answer comes from the headers alone
     response = conn.getresponse()
-    assert response.status == 413 and "limit of 4194304" in json.loads(response.read())["error"]["message"]
+    error = json.loads(response.read())["error"]
+    assert response.status == 413 and "limit of 4194304" in error["message"] and error["code"] == "body_too_large"
     conn.close()
-    assert post(server.url, "/v1/completions", dict(prompt="Hello", max_tokens=2))[0] == 200
+    status, out = post(server.url, "/v1/completions", dict(prompt=[1] * 100_000))
+    assert status == 400 and "the longest prompt (100000 tokens" in out["error"]["message"], out
 
 
 @pytest.mark.child_process
 def test_bad_chat_and_routes(server):
-    assert post(server.url, "/v1/chat/completions", dict(messages=[]))[0] == 400
-    assert post(server.url, "/v1/chat/completions", dict(messages=[{"role": "user"}]))[0] == 400
+    chat, hi = "/v1/chat/completions", [{"role": "user", "content": "hi"}]
+    assert post(server.url, chat, dict(messages=[]))[0] == 400
+    assert post(server.url, chat, dict(messages=[{"role": "user"}]))[0] == 400
+    status, out = post(server.url, chat, dict(messages=[{**hi[0], "name": "x"}]))
+    assert status == 400 and out["error"]["message"] == "messages.0.name: Extra inputs are not permitted", out
+    status, out = post(server.url, chat, dict(messages=hi, tool_choice="auto"))
+    assert status == 400 and out["error"]["param"] == "tool_choice", out
+    status, out = post(server.url, chat, dict(messages=hi, max_completion_tokens=0))
+    assert status == 400 and out["error"]["param"] == "max_tokens", out
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(server.url + "/v1/nothing", timeout=30)
     assert e.value.code == 404 and json.loads(e.value.read())["error"]["message"] == "Not Found"
 
 
 @pytest.mark.child_process
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_leaves_frees_its_slot(server, stream):
-    before = metrics(server.url)["tokens_total"]
-    body = dict(prompt="H", max_tokens=110, temperature=0)
-    if stream:
-        response = open_stream(server.url, "/v1/completions", body)
-        next(events(response))  # one chunk: the request runs
-        response.connection.close()
-    else:
-        parts = urlsplit(server.url)
-        data = json.dumps(body).encode()
-        with socket.create_connection((parts.hostname, parts.port)) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-            wait_for(lambda: metrics(server.url)["slots_busy"] == 1)
-    wait_for(lambda: metrics(server.url)["slots_busy"] == 0)
-    assert metrics(server.url)["tokens_total"] - before < 110  # cancelled, not run to the end
+def test_unsupported_parameters_with_their_no_op_values_are_accepted(server, expected):
+    noops = dict(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, suffix="", best_of=1, logprobs=None,
+                 echo=False, top_k=-1, user="u1", stream_options=None)
+    status, out = post(server.url, "/v1/completions", dict(prompt=LONG, max_tokens=5, temperature=0, **noops))
+    assert status == 200 and out["choices"][0]["text"] == expected(LONG, 5)[0], out
+    noops = dict(tools=[], tool_choice="none", response_format={"type": "text"}, logprobs=False,
+                 max_completion_tokens=3)
+    status, out = post(server.url, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], **noops))
+    assert status == 200 and out["usage"]["completion_tokens"] == 3, out
 
 
 @pytest.mark.child_process
-def test_metrics_after_everything_show_no_compilation(server):
-    m = metrics(server.url)
+def test_n_choices_seeds_streams_and_defaults(server, expected):
+    """Sampled with a seed, choice j of n is the request with seed + j. Streamed, the choices' chunks
+    come interleaved, each with its index, and add up to the whole texts; the usage sums them. A
+    completion's max_tokens defaults to 16; a stop string may be longer than 4 characters."""
+    url, cat, dog = server.url, TOK.encode(LONG), TOK.encode("dog")
+    sampled = dict(prompt="for", max_tokens=12, temperature=1.0, seed=7)
+    status, out = post(url, "/v1/completions", {**sampled, "n": 3})
+    alone = [post(url, "/v1/completions", {**sampled, "seed": 7 + j})[1]["choices"][0]["text"] for j in range(3)]
+    assert [c["text"] for c in out["choices"]] == alone and len(set(alone)) == 3
+
+    body = dict(prompt=[cat, dog], n=2, max_tokens=16, temperature=0)
+    status, whole = post(url, "/v1/completions", body)
+    assert [c["text"] for c in whole["choices"]] == [expected(LONG, 16)[0]] * 2 + [expected("dog", 16)[0]] * 2
+    got = list(events(open_stream(url, "/v1/completions", {**body, "stream_options": dict(include_usage=True)})))
+    assert got[-1] == "[DONE]" and got[-2]["usage"] == whole["usage"]
+    order = [c["choices"][0]["index"] for c in got[:-2]]
+    assert order != sorted(order)  # the four choices' chunks come as their tokens do, interleaved
+    texts = ["".join(c["choices"][0]["text"] for c in got[:-2] if c["choices"][0]["index"] == i) for i in range(4)]
+    assert texts == [c["text"] for c in whole["choices"]]
+
+    out = post(url, "/v1/completions", dict(prompt=LONG, temperature=0))[1]
+    assert (out["choices"][0]["text"], out["usage"]["completion_tokens"]) == (expected(LONG, 16)[0], 16)
+    text = expected(LONG, 30)[0]
+    cut = next(i for i in range(3, len(text)) if text[i].isalnum() and text.index(text[i]) == i)
+    stop = ["a stop string that never comes", text[cut]]
+    out = post(url, "/v1/completions", dict(prompt=LONG, max_tokens=30, temperature=0, stop=stop))[1]
+    assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == (text[:cut], "stop"), out
+
+
+@pytest.mark.child_process
+def test_metrics_after_everything_show_no_compilation_and_the_latencies(server):
+    families, m = metric_families(server.url), metrics(server.url)
     assert m["compiles_since_warmup"] == 0
     assert m["requests_total"] > 20 and m["tokens_total"] > 500
     assert (m["slots"], m["slots_busy"], m["queue_length"]) == (4, 0, 0)
+    assert [families[f"llama_xla_{key}"].type for key in ("requests", "tokens", "slots_busy")] == \
+        ["counter", "counter", "gauge"]
+    finished = m["e2e_request_latency_seconds_count"]
+    assert finished > 20
+    for name, _, _ in serve.HISTOGRAMS:
+        family = families[f"llama_xla_{name}"]
+        buckets = [s.value for s in family.samples if s.name.endswith("_bucket")]
+        assert family.type == "histogram" and buckets == sorted(buckets) and buckets[-1] == m[f"{name}_count"]
+        assert 0 < m[f"{name}_sum"] < m[f"{name}_count"] * 10  # seconds: none took 10 s
+    assert m["time_to_first_token_seconds_count"] == m["request_queue_time_seconds_count"] == finished
+    assert 0 < m["time_per_output_token_seconds_count"] <= finished  # not one-token requests
+    assert not any(s.name.endswith("_created") for f in families.values() for s in f.samples)
     assert json.loads(urllib.request.urlopen(server.url + "/health", timeout=30).read()) == {"status": "ok"}
 
 
 @pytest.mark.child_process
 def test_sigterm_finishes_the_request_in_flight_then_exits_0(server, expected):
-    """The last test: it stops the shared server."""
+    """The last test of the shared server: it stops it."""
     response = open_stream(server.url, "/v1/completions", dict(prompt="b", max_tokens=100, temperature=0))
     stream = events(response)
     first = next(stream)
@@ -377,6 +502,89 @@ def test_sigterm_finishes_the_request_in_flight_then_exits_0(server, expected):
     assert "".join(c["choices"][0]["text"] for c in [first] + rest[:-1]) == expected("b", 100)[0]
     assert server.proc.wait(60) == 0, server.output()
     wait_for(lambda: server.lines[-1].startswith("stopped: "))
+
+
+# --- the server with slow steps, and with a step that fails ------------------------------------
+
+@pytest.mark.child_process
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_its_slot(slow_server, expected, stream):
+    """A request for all the cache's room (120 tokens, 4 s) whose client leaves once it runs: its slot
+    frees within a step or two. Without the cancellation it would run to its 120th token."""
+    assert expected(LONG, 120)[1:] == (120, "length")
+    url, body = slow_server.url, dict(prompt=LONG, max_tokens=120, temperature=0)
+    if stream:
+        response = open_stream(url, "/v1/completions", body)
+        next(events(response))  # one chunk: the request runs
+        leave = response.connection.close
+    else:
+        leave = send(url, body).close
+        wait_for(lambda: metrics(url)["slots_busy"] == 1)
+    before = metrics(url)["tokens_total"]
+    leave()
+    wait_for(lambda: metrics(url)["slots_busy"] == 0)
+    assert metrics(url)["tokens_total"] - before <= 5
+
+
+@pytest.mark.child_process
+def test_cancelled_waiting_requests_do_not_fill_the_queue(slow_server):
+    """2 slots busy, 2 requests waiting (max_queue=2) whose clients leave: a new request is queued, not a 429."""
+    url, body = slow_server.url, dict(prompt=LONG, max_tokens=120, temperature=0)
+    running = [open_stream(url, "/v1/completions", body) for _ in range(2)]
+    for response in running:
+        next(events(response))
+    waiting = [send(url, body) for _ in range(2)]
+    wait_for(lambda: metrics(url)["queue_length"] == 2)
+    for sock in waiting:
+        sock.close()
+    time.sleep(0.5)  # the server cancels them at once; the running two have 3 s to go
+    new = send(url, dict(prompt="x", max_tokens=2))
+    time.sleep(0.5)
+    for response in running:
+        response.connection.close()
+    status, out = answer(new)
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+
+
+@pytest.mark.child_process
+def test_sigterm_drains_for_drain_timeout_then_cancels_and_exits_0(slow_server, expected):
+    """--drain-timeout 1: the 120-token request (4 s) still running 1 s after SIGTERM ends
+    "cancelled", its stream with usage and [DONE], and the process exits 0. The last test of slow_server."""
+    response = open_stream(slow_server.url, "/v1/completions", dict(prompt=LONG, max_tokens=120, temperature=0,
+                                                                    stream_options=dict(include_usage=True)))
+    stream = events(response)
+    first = next(stream)
+    start = time.monotonic()
+    slow_server.proc.send_signal(signal.SIGTERM)
+    *chunks, usage, done = [first, *stream]
+    waited = time.monotonic() - start
+    assert done == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
+    assert 1 <= waited < 2.5 and usage["usage"]["completion_tokens"] < 100
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert expected(LONG, 120)[0].startswith(text.rstrip("\ufffd"))
+    assert slow_server.proc.wait(60) == 0, slow_server.output()
+    wait_for(lambda: slow_server.lines[-1].startswith("stopped: "))
+    assert "drain timeout (1 s): cancelling 1 request(s) still running" in slow_server.lines
+
+
+@pytest.mark.child_process
+def test_an_engine_fault_ends_every_request_with_an_error_and_the_server_exits_1(model_dir, tmp_path):
+    """A step raises (`PATCHED`, steps of 50 ms) at the 20th token of the request in the one slot:
+    its stream gets an error event then [DONE], the request waiting for the slot a JSON 500, and
+    the process exits with status 1."""
+    server = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", 8, "--dtype", "fp32", "--slots", 1],
+                           tmp_path / "server.log", patch=PATCHED.format(step_s=0.05, fault=True))
+    try:
+        stream = events(open_stream(server.url, "/v1/completions", dict(prompt=LONG, max_tokens=100, temperature=0)))
+        next(stream)
+        waiting = send(server.url, dict(prompt="x", max_tokens=5))
+        *_, error, done = stream
+        status, out = answer(waiting)
+    finally:
+        code = server.stop()
+    assert done == "[DONE]" and "RuntimeError: injected fault" in error["error"]["message"], error
+    assert (status, out["error"]["type"]) == (500, "server_error") and "injected fault" in out["error"]["message"]
+    assert code == 1 and "the engine failed: RuntimeError: injected fault" in server.lines[-1], server.output()
 
 
 # --- in this process ---------------------------------------------------------------------------
@@ -402,6 +610,70 @@ def test_start_in_thread_serves_from_this_process_and_stops(engine, expected):
         server.stop()
     assert not server.thread.is_alive() and not api.state.served.running()
     assert engine.metrics()["compiles_since_warmup"] == 0
+
+
+def test_an_api_key_guards_v1_and_leaves_health_and_metrics_open(engine, expected):
+    server = serve.start_in_thread(serve.app(engine, TOK, "tiny", api_key="sesame"), port=0)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="H", max_tokens=5, temperature=0)
+        assert out.choices[0].text == expected("H", 5)[0]
+        wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="open", max_retries=0)
+        for call in (wrong.models.list, lambda: client.models.list(extra_headers={"Authorization": openai.omit})):
+            with pytest.raises(openai.AuthenticationError) as e:
+                call()
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key", e.value.body
+        for path in ("/health", "/metrics"):
+            assert urllib.request.urlopen(server.url + path, timeout=30).status == 200
+    finally:
+        server.stop()
+
+
+def test_each_app_has_its_own_metrics_registry(engine):
+    for name in ("one", "two"):  # a second app in this process: prometheus_client's default registry would refuse it
+        text = TestClient(serve.app(engine, TOK, name)).get("/metrics").text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["llama_xla_requests"].type == "counter"
+        assert families["llama_xla_time_to_first_token_seconds"].type == "histogram"
+        assert not any(s.name.endswith("_created") for f in families.values() for s in f.samples)
+
+
+def test_after_an_engine_fault_health_is_503_and_requests_get_json_errors(engine, monkeypatch):
+    """The step after a request takes the slot raises: the request gets a JSON 500, /health says
+    why, a new request gets a 503, and the engine holds nothing."""
+    step = engine.step
+
+    def failing():
+        if engine.metrics()["slots_busy"]:
+            raise RuntimeError("injected fault")
+        return step()
+    monkeypatch.setattr(engine, "step", failing)
+    with TestClient(serve.app(engine, TOK, "tiny")) as client:
+        r = client.post("/v1/completions", json=dict(prompt="H", max_tokens=10))
+        assert r.status_code == 500 and "RuntimeError: injected fault" in r.json()["error"]["message"], r.text
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "error",
+                                                     "message": "the engine failed: RuntimeError: injected fault"}
+        r = client.post("/v1/completions", json=dict(prompt="H", max_tokens=10))
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
+    assert (engine.metrics()["slots_busy"], engine.metrics()["queue_length"]) == (0, 0)
+
+
+def test_every_eos_id_of_the_model_ends_a_request(model_dir, greedy, tmp_path):
+    """generation_config.json lists two EOS ids: 1, and the token the greedy run writes at step k.
+    The request stops there (finish_reason "stop"), and the ids of config.json count too."""
+    tokens = greedy(LONG, 40)
+    k = next(k for k in range(5, 40) if tokens[k] not in tokens[:k])
+    folder = shutil.copytree(model_dir, tmp_path / "tiny-llama")
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [1, tokens[k]]}))
+    assert serve.decoder(TOK, LlamaConfig(eos_token_id=[5, 6]), folder)[1] == {TOK.eos_id, 5, 6, 1, tokens[k]}
+    engine, tokenizer = serve.load_engine(folder, slots=1, max_seq_len=MAX_SEQ_LEN, buckets=(8,), dtype="fp32")
+    assert engine.eos_ids == {TOK.eos_id, 1, tokens[k]}  # config.json's is the byte tokenizer's
+    with TestClient(serve.app(engine, tokenizer, "tiny")) as client:
+        out = client.post("/v1/completions", json=dict(prompt=LONG, max_tokens=40, temperature=0)).json()
+    assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == k + 1, out
+    assert out["choices"][0]["text"] == TOK.decode(tokens[:k + 1])
 
 
 def test_a_bf16_server_serves_its_engines_tokens_close_to_fp32(tmp_path, monkeypatch):
@@ -447,13 +719,23 @@ def test_a_full_queue_is_429(engine):
     assert client.get("/health").status_code == 503
 
 
-def test_a_chat_template_that_fails_is_a_json_400(engine, tmp_path):
+def test_a_chat_template_that_fails_is_a_json_400_and_anything_unexpected_a_json_500(engine, tmp_path, monkeypatch):
     tok = serve.read_tokenizer(word_tokenizer(tmp_path), None, tiny_config())
-    tok.chat_template = "{{ raise_exception('no system messages, please') }}"
-    r = TestClient(serve.app(engine, tok, "tiny")).post("/v1/chat/completions", json=dict(messages=[
-        {"role": "system", "content": "hi"}]))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    assert "the model's chat template rejected these messages: no system messages, please" in r.json()["error"]["message"]
+    client = TestClient(serve.app(engine, tok, "tiny"), raise_server_exceptions=False)
+    body = dict(messages=[{"role": "system", "content": "hi"}])
+    for template, message in [("{{ raise_exception('no system messages, please') }}", "no system messages, please"),
+                              ("{% if %}", "Expected an expression")]:  # a syntax error
+        tok.chat_template = template
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert f"the model's chat template rejected these messages: {message}" in r.json()["error"]["message"]
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(serve, "chat_prompt", broken)
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert "RuntimeError: a bug" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -468,10 +750,26 @@ def test_a_chat_template_that_fails_is_a_json_400(engine, tmp_path):
     (["--buckets", "8,127", "--max-seq-len", "128"], "largest bucket 127 + 2 tokens > the model's max_seq_len=128"),
     (["--buckets", "32,8"], "buckets=(32, 8) must be increasing positive ints"),
     (["--max-seq-len", "4096"], "max_seq_len=4096 > the model's max_position_embeddings=2048"),
+    (["--drain-timeout", "-1"], "argument --drain-timeout: '-1' is not a number >= 0"),
+    (["--drain-timeout", "nan"], "argument --drain-timeout: 'nan' is not a number >= 0"),
 ])
 def test_bad_argument_is_one_error_line(model_dir, args, message, capsys):
     code, _, err = cli(serve.main, [str(model_dir), "--port", "0", *args], capsys)
     assert one_error_line(code, err, message), (code, err[-2000:])
+
+
+def test_api_key_from_the_environment_and_a_warning_without_one_off_loopback(tmp_path, monkeypatch, capsys):
+    """A key: no warning on 0.0.0.0 (and the folder's error line is all); none: one warning line first."""
+    monkeypatch.setenv("LLAMA_XLA_API_KEY", "sesame")
+    assert serve.parse_args([str(tmp_path)]).api_key == "sesame"
+    argv = [str(tmp_path), "--host", "0.0.0.0", "--port", "0"]
+    code, _, err = cli(serve.main, argv, capsys)
+    assert one_error_line(code, err, "holds neither config.json"), err
+    monkeypatch.delenv("LLAMA_XLA_API_KEY")
+    code, _, err = cli(serve.main, argv, capsys)
+    warning, rest = err.split("\n", 1)
+    assert warning.startswith("warning: serving on 0.0.0.0 without an API key") and "--api-key" in warning
+    assert one_error_line(code, rest, "holds neither config.json"), err
 
 
 def test_a_pod_is_refused_with_the_way_that_works(model_dir, monkeypatch, capsys):
