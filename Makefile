@@ -26,7 +26,7 @@ NO_PYTHON := no Python 3.11 or newer here (tried $(PYTHON_CANDIDATES)). On a TPU
 # A TPU VM (chips at /dev/accel* on v2-v4, /dev/vfio/N from v5e on), or TPU=1 to force it: .venv gets the
 # 'tpu' extra (libtpu), and make test runs the TPU plan.
 TPU ?= $(if $(wildcard /dev/accel* /dev/vfio/[0-9]*),1)
-EXTRAS := dev,scan$(if $(TPU),$(comma)tpu)
+EXTRAS := dev,scan,log$(if $(TPU),$(comma)tpu)
 
 .PHONY: test tour notebooks check-variants clean
 
@@ -54,13 +54,15 @@ endef
 # Put in front of a part's one command line: prints the part's wall time when it ends, whatever its status.
 TIMED = @start=$$(date +%s); trap 'echo "$@: $$(($$(date +%s) - start)) s"' EXIT;
 
-# pytest in four processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
-# compiling too many tests' graphs aborts (a segfault once the scan tests came, an abort with the bf16 ones).
+# pytest in five processes: XLA:CPU keeps every program it compiled mapped in memory, and one process
+# compiling too many tests' graphs aborts (a segfault once the scan tests came, an abort with the bf16 ones,
+# and test_train.py with test_loop.py's runs: vm.max_map_count, 65530 here).
 TESTS_a := $(sort $(wildcard tests/test_[a-f]*.py))
-TESTS_b := $(sort $(wildcard tests/test_[g-r]*.py))
+TESTS_b := $(filter-out tests/test_loop.py,$(sort $(wildcard tests/test_[g-r]*.py)))
 TESTS_c := $(sort $(wildcard tests/test_s*.py))
 TESTS_d := $(sort $(wildcard tests/test_[t-z]*.py))
-PYTEST_PARTS := test-pytest-a test-pytest-b test-pytest-c test-pytest-d
+TESTS_e := tests/test_loop.py
+PYTEST_PARTS := test-pytest-a test-pytest-b test-pytest-c test-pytest-d test-pytest-e
 
 # The 4-device run in make test: the notebooks whose checks change most with the device count (meshes,
 # sharding, the training mesh, tensor-parallel decoding). check-variants runs the others at 4 too.
@@ -69,7 +71,7 @@ NOTEBOOKS_AT_4 := $(filter notebooks/01_% notebooks/02_% notebooks/03_% notebook
 # Each part is one process that keeps a core or more busy (XLA:CPU compiles a program on one thread),
 # so on a 2-core machine two at a time take about half the time; the longest two start first.
 # --output-sync prints each part's output whole, when it ends.
-TEST_PARTS := test-nbval test-devices-4 test-pytest-c test-pytest-d test-pytest-b test-pytest-a
+TEST_PARTS := test-nbval test-devices-4 test-pytest-c test-pytest-d test-pytest-b test-pytest-a test-pytest-e
 .PHONY: $(TEST_PARTS) test-tpu
 
 ifeq ($(TPU),)

@@ -41,13 +41,13 @@ def first_steps(cfg, steps, layers=None):
 
     from llama_xla_helpers.configs import get_config
     from llama_xla_helpers.metrics import compile_seconds
-    from llama_xla_helpers.train import Adafactor, build_model, first_batch, prepare_layers, setup, train_step
+    from llama_xla_helpers.train import build_model, first_batch, make_optimizer, prepare_layers, setup, train_step
 
     cfg, mesh, config = setup(cfg)
     config = get_config(cfg.model, num_hidden_layers=layers) if layers else config
     model = build_model(config, mesh, cfg.strategy, cfg.seed)
     prepare_layers(model, cfg)
-    optimizer = Adafactor(model.parameters(), lr=cfg.lr)
+    optimizer = make_optimizer(cfg, model.parameters())
     ids = first_batch(cfg, mesh)
     compiled = compile_seconds()
     times = [time.perf_counter()]

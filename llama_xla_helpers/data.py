@@ -1,26 +1,95 @@
-"""Training text that needs no network, a byte tokenizer, and fixed-length training chunks.
+"""Training data: text that needs no network, tokenizers, token files read row by row, and SFT rows.
 
 The default corpus is the Python documentation's topic texts that ship with the standard
 library (`pydoc_data.topics`, about 0.47 MB of English prose and code), so every machine has it.
+
+Tokenizers. `ByteTokenizer` (UTF-8 bytes, BOS 256, EOS 257) is for a model trained from random
+init, or one whose vocabulary is the byte tokenizer's (a config with BOS 256 and EOS 257, as
+`tiny`); any other model needs its own Hugging Face tokenizer (`get_tokenizer(folder)`).
+`tokenizer_and_config` checks the two against each other: a tokenizer with more tokens than the
+model's vocab_size is an error, and a model built from random init for a tokenizer gets
+`padded_vocab_size(len(tokenizer))`, a multiple of 64. `small_tokenizer()` trains a 512-token
+byte-level BPE with Llama 3's special tokens and chat format on the corpus, offline, in about a
+second: the same vocabulary on every run with the same Python (its pydoc topics are the corpus)
+and `tokenizers` (pinned). Tests and notebooks use it.
+
+Token files. `token_file(data, tokenizer, directory)` tokenizes the data once into
+`directory/tokens-<sha>.u32`: uint32 little-endian token ids, flat, every document as
+[BOS] + text + [EOS]. <sha> covers the data file's bytes, the tokenizer's identity and this
+format, so a second run (or another host) with the same inputs finds the file and tokenizes
+nothing, and any change makes a new file. Only the lead process writes (on a pod, process 0; the
+folder must be one every host sees, or a gs:// URL), into a temporary file renamed into place:
+a crash never leaves a file by that name that is not complete. Every host then reads only the
+rows it needs through np.memmap (`TokenRows`), never the whole corpus; `token_rows` holds out
+the last `val_fraction` of the rows, as `train_val_split` holds out the end of the text.
+
+Data files: UTF-8 text (one document), or JSONL (`.jsonl`) with a string field "text" per line
+(one document a line, so documents are separated by EOS). SFT data (`sft_file`): JSONL with
+"messages", a list of {"role", "content"}; see `sft_example` for how the loss is restricted to
+the assistant's tokens. `training_data` is the one call a training loop needs.
 """
+import codecs
+import copy
+import hashlib
+import json
+import os
+import re
+import tempfile
+import uuid
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
+from torch.utils.data import TensorDataset
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # a folder holding a tokenizer
+IGNORE_INDEX = -100          # labels Hugging Face's loss skips (its CrossEntropyLoss ignore_index)
+VOCAB_MULTIPLE = 64          # a random-init model's vocab_size is rounded up to a multiple of this
+TOKEN_DTYPE = np.dtype("<u4")  # token files: uint32, little-endian
+IGNORE_U32 = 0xFFFFFFFF      # IGNORE_INDEX as stored in a .u32 file (no token has this id)
+TOKENS_FORMAT = "llama-xla tokens v1: uint32 little-endian, flat; a document is [BOS] + text + [EOS]"
+SFT_FORMAT = ("llama-xla sft v1: uint32 little-endian rows of 2 * seq_len: ids, then labels "
+              f"({IGNORE_U32:#x} = {IGNORE_INDEX}); right-padded with the pad id")
+PIECE_CHARS = 1 << 20        # a text file is tokenized in pieces of about this many characters,
+PIECES_PER_CALL = 8          # this many at a time
+BATCH_DOCS = 512             # JSONL documents (or conversations) encoded per call
+CACHE_DIR = "llama_xla_tokens"  # under the system's temporary folder: token files without a directory
+SHARED = ("the token folder must be one that every host sees (the checkpoint_dir: a shared file "
+          "system or a gs:// URL); process 0 writes the file, the others read it")
+# Llama 3's special tokens (small_tokenizer's, at ids 0-5) and its chat format, as generate.llama3_chat.
+SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                  "<|eot_id|>", "<|pad|>")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
+                 "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+                 "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+# --- Text -------------------------------------------------------------------------------------
+
+def corpus_documents():
+    """The standard library's pydoc topic texts, one per topic, in sorted order (the default corpus)."""
+    from pydoc_data.topics import topics
+    return [topics[k] for k in sorted(topics)]
 
 
 def load_corpus(path=None):
     """The text of a local UTF-8 file, or by default the standard library's pydoc topic texts."""
     if path is not None:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"data file {str(path)!r} does not exist; pass a UTF-8 text file")
+        _check_file(path)
         data = Path(path).read_bytes()
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{path} is not UTF-8 text: byte {e.start} is 0x{data[e.start]:02x}; pass a text "
                              f"file (the byte tokenizer reads text, encoded as UTF-8)") from None
-    from pydoc_data.topics import topics
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    return "\n\n".join(corpus_documents())
+
+
+def _check_file(path, what="data file", fix="pass a UTF-8 text file"):
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist; {fix}")
 
 
 class ByteTokenizer:
@@ -76,3 +145,729 @@ class StepSampler(torch.utils.data.Sampler):
     def order(self, epoch):
         """The shuffled indices of `epoch`: a function of (seed, epoch) alone."""
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+
+# --- Tokenizers -------------------------------------------------------------------------------
+
+def get_tokenizer(path=None):
+    """The byte tokenizer (path None), or the Hugging Face tokenizer saved in a local folder
+    (`generate.load_tokenizer`: AutoTokenizer, never the network)."""
+    if path is None:
+        return ByteTokenizer()
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"tokenizer {str(path)!r} is not a folder; pass a local folder with tokenizer.json "
+                                f"(a model's folder, or one written by tokenizer.save_pretrained)")
+    from .generate import load_tokenizer  # here: generate imports this module (and torch_xla)
+    return load_tokenizer(path)
+
+
+def tokenizer_size(tokenizer):
+    """How many ids the tokenizer can produce: the byte tokenizer's 258, or len() of a Hugging Face
+    tokenizer (its added tokens included, which `tokenizer.vocab_size` leaves out)."""
+    return ByteTokenizer.vocab_size if isinstance(tokenizer, ByteTokenizer) else len(tokenizer)
+
+
+def special_ids(tokenizer):
+    """(BOS id or None, EOS id, pad id): the pad is the tokenizer's, else its EOS (padding is
+    never attended to by the tokens before it, and its labels are IGNORE_INDEX)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return ByteTokenizer.bos_id, ByteTokenizer.eos_id, ByteTokenizer.eos_id
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token, which "
+                         f"ends every document; set tokenizer.eos_token (and save it) first")
+    pad = tokenizer.pad_token_id
+    return tokenizer.bos_token_id, eos, eos if pad is None else pad
+
+
+def padded_vocab_size(n, multiple=VOCAB_MULTIPLE):
+    """n rounded up to a multiple of `multiple` (64): the vocab_size of a random-init model for a
+    tokenizer of n tokens, so that every mesh axis up to 64 divides the embedding's rows."""
+    return -(-n // multiple) * multiple
+
+
+def check_vocab(tokenizer, vocab_size):
+    """ValueError unless every id of the tokenizer is a row of the model's embedding."""
+    n = tokenizer_size(tokenizer)
+    if n > vocab_size:
+        raise ValueError(f"the tokenizer has {n} tokens but the model's vocab_size is {vocab_size}: ids "
+                         f"{vocab_size}..{n - 1} have no embedding row. Use the model's own tokenizer, or "
+                         f"train a model from random init sized for this tokenizer (no init_from: its "
+                         f"vocab_size becomes padded_vocab_size({n}) = {padded_vocab_size(n)})")
+
+
+def tokenizer_and_config(config, tokenizer=None, pretrained=False):
+    """(tokenizer, LlamaConfig to build) for training, checked against each other.
+
+    tokenizer: a folder (or a loaded tokenizer); None: the byte tokenizer. pretrained: `config` is
+    that of existing weights (init_from), which must already fit the tokenizer; else the model
+    is built from random init, so a Hugging Face tokenizer sizes it: vocab_size =
+    padded_vocab_size(len(tokenizer)), bos/eos/pad ids the tokenizer's (a copy; `config` is
+    not changed). The byte tokenizer goes with pretrained weights only if the config's BOS and
+    EOS are the byte tokenizer's (256, 257: a model trained with it).
+    """
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = get_tokenizer(tokenizer)
+    byte = isinstance(tokenizer, ByteTokenizer)
+    if byte and pretrained and (config.bos_token_id, config.eos_token_id) != (ByteTokenizer.bos_id,
+                                                                              ByteTokenizer.eos_id):
+        raise ValueError(f"the model to fine-tune was not trained with the byte tokenizer (its bos_token_id="
+                         f"{config.bos_token_id}, eos_token_id={config.eos_token_id}, vocab_size="
+                         f"{config.vocab_size}; the byte tokenizer's BOS and EOS are 256 and 257): pass the "
+                         f"model's own tokenizer, e.g. --tokenizer with the init_from folder")
+    if byte or pretrained:
+        check_vocab(tokenizer, config.vocab_size)
+        return tokenizer, config
+    bos, eos, _ = special_ids(tokenizer)
+    config = copy.deepcopy(config)
+    config.vocab_size = padded_vocab_size(tokenizer_size(tokenizer))
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = bos, eos, tokenizer.pad_token_id
+    return tokenizer, config
+
+
+def tokenizer_sha(tokenizer, chat=False):
+    """sha256 of what decides a tokenizer's ids: the byte tokenizer's version, or a Hugging Face
+    tokenizer's whole backend as JSON (`backend_tokenizer.to_str()`: vocabulary, merges, added
+    tokens, normalizer, pre-tokenizer; what tokenizer.json holds, also for a tokenizer that was
+    never saved) with its BOS/EOS/pad ids; with `chat`, its chat template too."""
+    if isinstance(tokenizer, ByteTokenizer):
+        what = {"byte": ByteTokenizer.vocab_size}
+    else:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        what = {"backend": backend.to_str() if backend is not None else  # a tokenizer without tokenizer.json
+                [type(tokenizer).__name__, sorted(tokenizer.get_vocab().items())],
+                "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]}
+    if chat:
+        what["chat_template"] = getattr(tokenizer, "chat_template", None)
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def small_tokenizer(vocab_size=512, path=None):
+    """A byte-level BPE tokenizer of `vocab_size` tokens trained on the pydoc corpus, offline.
+
+    A `transformers.PreTrainedTokenizerFast` with Llama 3's special tokens (ids 0-5: BOS
+    <|begin_of_text|>, EOS <|eot_id|>, pad <|pad|>, the role headers) and a Llama-3-like chat
+    template (the prompt `generate.llama3_chat` writes); encode() adds BOS. The 256 byte tokens
+    are all in it, so it encodes any text. Deterministic: the same vocabulary every run, for a
+    given Python (whose pydoc topics it learns from) and `tokenizers` version (pinned in
+    pyproject.toml). Saved to `path` if given.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(corpus_documents(), trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                  pad_token="<|pad|>", add_bos_token=True, chat_template=CHAT_TEMPLATE)
+    if path is not None:
+        tok.save_pretrained(path)
+    return tok
+
+
+def _encode_plain(tokenizer, texts):
+    """Token ids of each text without special tokens, as uint32 arrays."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(TOKEN_DTYPE) for t in texts]
+    ids = tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return [np.asarray(i, dtype=TOKEN_DTYPE) for i in ids]
+
+
+def encode_document(tokenizer, text):
+    """A document's token ids as a token file holds them: [BOS] (if the tokenizer has one) + text + [EOS]."""
+    bos, eos, _ = special_ids(tokenizer)
+    return [bos] * (bos is not None) + _encode_plain(tokenizer, [text])[0].tolist() + [eos]
+
+
+# --- Reading data files -----------------------------------------------------------------------
+
+def _safe_cut(buf, limit):
+    """An index <= limit where the text can be cut without changing its ids, or 0 if none: just after
+    a newline between two non-space characters, else just before a space between a non-space
+    character and a letter. Byte-level BPE pre-tokenizers (GPT-2's, Llama 3's, small_tokenizer's)
+    always split there, and BPE never merges across a split, so pieces cut there encode to exactly
+    the ids of the whole text."""
+    i = buf.rfind("\n", 0, limit)
+    while i > 0:
+        if i + 1 < len(buf) and not buf[i - 1].isspace() and not buf[i + 1].isspace():
+            return i + 1
+        i = buf.rfind("\n", 0, i)
+    i = buf.rfind(" ", 0, limit + 1)
+    while i > 0:
+        if i + 1 < len(buf) and not buf[i - 1].isspace() and buf[i + 1].isalpha():
+            return i
+        i = buf.rfind(" ", 0, i)
+    return 0
+
+
+def _pieces(buf, piece_chars, final):
+    """(pieces to encode, rest): `buf` cut (`_safe_cut`) into pieces of at most piece_chars (one
+    with no safe place is cut at piece_chars); with `final`, the rest is a piece too."""
+    out = []
+    while len(buf) > piece_chars:
+        cut = _safe_cut(buf, piece_chars) or piece_chars
+        out.append(buf[:cut])
+        buf = buf[cut:]
+    if final and buf:
+        out.append(buf)
+        buf = ""
+    return out, buf
+
+
+def _text_pieces(path, piece_chars):
+    """A UTF-8 file's text in pieces (`_pieces`), read a block at a time: never the whole file."""
+    decoder, buf, offset = codecs.getincrementaldecoder("utf-8")(), "", 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(piece_chars)
+            pending = decoder.getstate()[0]
+            try:
+                buf += decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                at = offset - len(pending) + e.start
+                raise ValueError(f"{path} is not UTF-8 text: byte {at} is 0x{(pending + block)[e.start]:02x}; pass "
+                                 f"a UTF-8 text file, or JSONL (.jsonl) with a 'text' field per line") from None
+            offset += len(block)
+            pieces, buf = _pieces(buf, piece_chars, final=not block)
+            yield from pieces
+            if not block:
+                return
+
+
+def _jsonl(path):
+    """(line number, object) of each non-blank line of a JSONL file; ValueError naming the line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} line {n}: not UTF-8 (byte {e.start} of the line is "
+                                 f"0x{raw[e.start]:02x})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg} at column {e.colno}); each line of a "
+                                 f"JSONL file must be one JSON object") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path} line {n}: a JSON {type(record).__name__}, not an object; each line must "
+                                 f"be one JSON object")
+            yield n, record
+
+
+def _jsonl_texts(path, field="text"):
+    for n, record in _jsonl(path):
+        if field not in record:
+            fields = ", ".join(map(repr, record)) or "none"
+            raise ValueError(f"{path} line {n}: no field {field!r} (its fields: {fields}); each line must be an "
+                             f"object with a string {field!r}, e.g. {{\"{field}\": \"...\"}}")
+        if not isinstance(record[field], str):
+            raise ValueError(f"{path} line {n}: {field!r} is a JSON {type(record[field]).__name__}, not a string")
+        yield record[field]
+
+
+def is_jsonl(path):
+    return str(path).lower().endswith(".jsonl")
+
+
+def read_documents(path):
+    """The documents of a data file: the "text" of each line of a JSONL file, or a text file's whole text."""
+    _check_file(path, fix="pass a UTF-8 text file or a JSONL file (.jsonl)")
+    return list(_jsonl_texts(path)) if is_jsonl(path) else [load_corpus(path)]
+
+
+def _batches(items, size):
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _token_arrays(data, tokenizer, piece_chars):
+    """The uint32 ids of the token file of `data` (None: the corpus; a text file; a .jsonl file), in order."""
+    bos, eos, _ = special_ids(tokenizer)
+    head, tail = np.asarray([bos] * (bos is not None), TOKEN_DTYPE), np.asarray([eos], TOKEN_DTYPE)
+    if data is not None and is_jsonl(data):
+        for texts in _batches(_jsonl_texts(data), BATCH_DOCS):
+            yield np.concatenate([a for ids in _encode_plain(tokenizer, texts) for a in (head, ids, tail)])
+        return
+    pieces = _text_pieces(data, piece_chars) if data is not None else _pieces(load_corpus(), piece_chars, True)[0]
+    yield head
+    for batch in _batches(pieces, PIECES_PER_CALL):  # a batch is encoded in parallel (tokenizers' threads)
+        yield from _encode_plain(tokenizer, batch)
+    yield tail
+
+
+# --- Token files ------------------------------------------------------------------------------
+
+def _sha_file(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _data_sha(data):
+    """sha256 of the data's bytes (the corpus's text, if data is None)."""
+    if data is None:
+        return hashlib.sha256(load_corpus().encode("utf-8")).hexdigest()
+    return _sha_file(data)
+
+
+def _name(prefix, *parts):
+    return f"{prefix}-{hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]}.u32"
+
+
+def _write_atomic(final, arrays, meta):
+    """Write the uint32 arrays to `final` through a temporary file in its folder, renamed into place
+    last (and meta, with the token count, to final + ".json" before it): `final` exists only complete.
+    An exception removes the temporary file; a killed process leaves it, under a hidden name."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tokens = 0
+    try:
+        with open(tmp, "wb") as f:
+            for a in arrays:
+                a = np.ascontiguousarray(a, dtype=TOKEN_DTYPE)
+                f.write(a.tobytes())
+                tokens += a.size
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {**meta, "tokens": tokens}
+        info = tmp.with_suffix(".json.tmp")
+        info.write_text(json.dumps(meta, indent=1))
+        os.replace(info, f"{final}.json")
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return meta
+
+
+def _is_url(path):
+    return "://" in str(path)
+
+
+def _place(directory, name, write, lead, barrier):
+    """The local path of `directory/name`, written by `write(path)` on the lead process if it is
+    missing. directory None: the system's temporary folder, written by every process for itself.
+    A URL (gs://...): the lead uploads the file (an object appears whole or not at all) and every
+    host reads its own local copy (downloaded once, to the temporary folder)."""
+    cache = Path(tempfile.gettempdir()) / CACHE_DIR
+    if directory is None:
+        directory, lead = cache, True
+    if not _is_url(directory):
+        final = Path(directory) / name
+        if lead and not final.is_file():
+            write(final)
+        if barrier is not None:
+            barrier()
+        if not final.is_file():
+            raise FileNotFoundError(f"{final} does not exist on this host: {SHARED}")
+        return final
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(str(directory))
+    remote, local = f"{root.rstrip('/')}/{name}", cache / name
+    fs.invalidate_cache()
+    if lead and not fs.exists(remote):
+        if not local.is_file():
+            write(local)
+        fs.put_file(f"{local}.json", f"{remote}.json")
+        fs.put_file(str(local), remote)  # last: the data file is there only complete
+    if barrier is not None:
+        barrier()
+    if not local.is_file():
+        fs.invalidate_cache()
+        if not fs.exists(remote):
+            raise FileNotFoundError(f"{directory}/{name} does not exist: {SHARED}")
+        cache.mkdir(parents=True, exist_ok=True)
+        for suffix in (".json", ""):
+            tmp = cache / f".{name}{suffix}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+            fs.get_file(remote + suffix, str(tmp))
+            os.replace(tmp, f"{local}{suffix}")
+    return local
+
+
+def token_file(data, tokenizer, directory=None, *, lead=True, barrier=None, piece_chars=PIECE_CHARS):
+    """The local path of the token file of `data` (None: the pydoc corpus; a UTF-8 text file; a
+    .jsonl file with "text" per line), tokenized once into `directory/tokens-<sha>.u32`.
+
+    Every document is [BOS] + its ids + [EOS] (BOS if the tokenizer has one), documents in the
+    file's order. A text file is one document, encoded in pieces of at most `piece_chars` cut
+    where its pre-tokenizer splits anyway (`_safe_cut`: exactly the ids of the whole text for
+    byte-level BPE tokenizers; a SentencePiece tokenizer may encode the first word of a piece as
+    if it began the text), so neither the text nor its ids are ever in memory as a whole.
+
+    <sha> covers the data file's bytes (not its path or mtime: a copy of the file on another
+    host or in another folder names the same tokens, and an edit that keeps size and mtime
+    cannot reuse stale ones; hashing reads the file once, far cheaper than tokenizing it), the
+    tokenizer (`tokenizer_sha`), `piece_chars` and the format (TOKENS_FORMAT). If the file is
+    there it is used as it is. lead: this process writes a missing file (on a pod: process 0
+    only, then `barrier()` before any host reads it); directory None: a folder under the
+    system's temporary folder, which every process writes for itself. Its meta (source, counts)
+    is next to it, in tokens-<sha>.u32.json.
+    """
+    if data is not None:
+        _check_file(data, fix="pass a UTF-8 text file or a JSONL file (.jsonl) with a 'text' field per line")
+    tok_sha = tokenizer_sha(tokenizer)
+    name = _name("tokens", TOKENS_FORMAT, _data_sha(data), tok_sha, piece_chars)
+    meta = {"format": TOKENS_FORMAT, "data": str(data) if data is not None else "pydoc_data.topics",
+            "tokenizer_sha256": tok_sha}
+    write = lambda path: _write_atomic(path, _token_arrays(data, tokenizer, piece_chars), meta)  # noqa: E731
+    return _place(directory, name, write, lead, barrier)
+
+
+def file_meta(path):
+    """The meta written next to a token or SFT file (its token count; for SFT, what was dropped)."""
+    return json.loads(Path(f"{path}.json").read_text())
+
+
+class TokenRows:
+    """Rows of `seq_len` token ids of a .u32 file, read through np.memmap: indexing reads only the
+    rows indexed, as int64 tensors, so no host holds the whole file in memory.
+
+    Rows start_row .. start_row + n_rows (default: to the end) of the file seen as rows of `stride`
+    ids (default seq_len; the tail that does not fill a row is left out), columns column ..
+    column + seq_len of each (an SFT file's rows are ids then labels: stride 2 * seq_len). A
+    stored IGNORE_U32 reads as IGNORE_INDEX (-100).
+
+    It works where a (n, seq_len) tensor does in `TensorDataset` and `sharded_loader`: `shape`,
+    `size()`, `len()` and indexing by an int, a slice, a list / array / tensor of row indices, or
+    (rows, columns), e.g. `t[rows[index[0]]][:, index[1]]`.
+    """
+
+    dtype = torch.int64
+
+    def __init__(self, path, seq_len, start_row=0, n_rows=None, *, stride=None, column=0):
+        stride = stride or seq_len
+        if seq_len < 1 or column < 0 or column + seq_len > stride:
+            raise ValueError(f"columns {column}..{column + seq_len} do not fit in rows of stride {stride}")
+        total = os.path.getsize(path) // (TOKEN_DTYPE.itemsize * stride)
+        n_rows = total - start_row if n_rows is None else n_rows
+        if start_row < 0 or n_rows < 0 or start_row + n_rows > total:
+            raise ValueError(f"rows {start_row}..{start_row + n_rows} are not all in {path}, which holds {total} "
+                             f"rows of {stride} tokens")
+        self.path, self.seq_len, self.start_row, self.n_rows = str(path), seq_len, start_row, n_rows
+        self.stride, self.column, self.total = stride, column, total
+        self._open()
+
+    def _open(self):
+        self._array = (np.memmap(self.path, TOKEN_DTYPE, "r", shape=(self.total, self.stride)) if self.total
+                       else np.zeros((0, self.stride), TOKEN_DTYPE))
+
+    def __getstate__(self):  # a DataLoader worker reopens the file; it does not copy the rows
+        return {k: v for k, v in self.__dict__.items() if k != "_array"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._open()
+
+    @property
+    def shape(self):
+        return torch.Size((self.n_rows, self.seq_len))
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self):
+        return 2
+
+    def __len__(self):
+        return self.n_rows
+
+    def __repr__(self):
+        return (f"TokenRows({self.path!r}, seq_len={self.seq_len}, start_row={self.start_row}, "
+                f"n_rows={self.n_rows}, stride={self.stride}, column={self.column})")
+
+    def rows(self, start, stop):
+        """Rows start..stop of these, as a TokenRows (nothing is read)."""
+        start, stop, _ = slice(start, stop).indices(self.n_rows)
+        return TokenRows(self.path, self.seq_len, self.start_row + start, max(stop - start, 0),
+                         stride=self.stride, column=self.column)
+
+    def _file_rows(self, index):
+        """The file's row index (int), slice or index array for `index` into these rows."""
+        n = self.n_rows
+        if isinstance(index, (int, np.integer)) or (torch.is_tensor(index) and index.dim() == 0):
+            i = int(index)
+            if not -n <= i < n:
+                raise IndexError(f"row {i} is out of range for {n} rows")
+            return self.start_row + i % n
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step == 1:
+                return slice(self.start_row + start, self.start_row + max(start, stop))
+            return self.start_row + np.arange(start, stop, step)
+        rows = np.asarray(index.cpu() if torch.is_tensor(index) else index)
+        if rows.dtype == bool:
+            rows = np.flatnonzero(rows)
+        if rows.dtype.kind not in "iu":
+            raise IndexError(f"rows must be indexed by ints, a slice or an int array, not {rows.dtype}")
+        if rows.size and (rows.min() < -n or rows.max() >= n):
+            raise IndexError(f"row indices must be in -{n}..{n - 1}")
+        return self.start_row + (rows % n if n else rows)
+
+    def __getitem__(self, index):
+        columns = None
+        if isinstance(index, tuple):
+            if len(index) > 2:
+                raise IndexError(f"too many indices for rows of shape {tuple(self.shape)}: {len(index)}")
+            index, columns = index if len(index) == 2 else (index[0], None)
+        block = self._array[self._file_rows(index), self.column:self.column + self.seq_len].astype(np.int64)
+        block[block == IGNORE_U32] = IGNORE_INDEX
+        out = torch.from_numpy(block)
+        if columns is None:
+            return out
+        return out[columns] if out.dim() == 1 else out[:, columns]
+
+
+def split_rows(n, val_fraction=0.1):
+    """(training rows, held-out rows): the last `val_fraction` of n rows is held out (at least one)."""
+    train = int(n * (1 - val_fraction))
+    if val_fraction > 0 and train == n:
+        train = n - 1
+    if train < 1 or (val_fraction > 0 and n - train < 1):
+        raise ValueError(f"{n} rows cannot be split into training and held-out rows (val_fraction="
+                         f"{val_fraction}); use more data or a shorter seq_len")
+    return train, n - train
+
+
+def token_rows(path, seq_len, val_fraction=0.1):
+    """(train, val) TokenRows of a token file: its rows of seq_len ids, the last `val_fraction` held out."""
+    train, val = split_rows(TokenRows(path, seq_len).n_rows, val_fraction)
+    return TokenRows(path, seq_len, 0, train), TokenRows(path, seq_len, train, val)
+
+
+# --- Supervised fine-tuning (SFT) -------------------------------------------------------------
+
+def _check_messages(messages, where):
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message {i} must be an object with string 'role' and 'content', not "
+                             f"{json.dumps(m)[:200]}")
+    if messages[0]["role"] == "assistant":
+        raise ValueError(f"{where}: message 0 is the assistant's; a conversation starts with a system or user "
+                         f"message (the prompt the assistant answers)")
+
+
+def sft_example(tokenizer, messages, where="conversation"):
+    """(ids, labels) of one conversation rendered with the tokenizer's chat template: labels are the
+    ids on the assistant's tokens (each reply and the end token the template writes after it,
+    e.g. <|eot_id|>) and IGNORE_INDEX elsewhere (system and user turns, the role headers, BOS).
+    Hugging Face's LlamaForCausalLM shifts the labels itself: pass labels aligned with the ids.
+
+    The assistant's tokens are found by rendering the conversation prefix by prefix: reply k
+    spans the characters from the end of the first k messages rendered with the generation
+    prompt (the assistant header) to the end of the first k + 1 messages; a token is the
+    assistant's if it starts inside such a span (offsets from the fast tokenizer). This works
+    with any template, e.g. Meta's Llama 3 templates, which have no {% generation %} markers
+    (`return_assistant_tokens_mask` needs them); it costs two renders per reply and one
+    tokenization of the whole (diffing token counts of prefixes would tokenize every prefix, and
+    assume a prefix's tokens are a prefix of the whole's). It checks that each prefix renders as
+    a prefix of the whole: a template that rewrites earlier turns (e.g. drops old reasoning) is
+    refused with a ValueError naming the message.
+    """
+    _check_messages(messages, where)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: the tokenizer has no chat template; SFT data needs one (a chat model's "
+                         f"tokenizer, or small_tokenizer())")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{where}: SFT needs a fast tokenizer (one with tokenizer.json), whose character offsets "
+                         f"locate the assistant's tokens; {type(tokenizer).__name__} has none")
+    render = lambda msgs, prompt: tokenizer.apply_chat_template(msgs, tokenize=False,  # noqa: E731
+                                                               add_generation_prompt=prompt)
+    text, spans = render(messages, False), []
+    for k, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start, end = render(messages[:k], True), render(messages[:k + 1], False)
+            if not (text.startswith(start) and text.startswith(end)):
+                raise ValueError(f"{where}: the chat template renders messages 0..{k} differently on their own "
+                                 f"than inside the whole conversation, so the assistant's tokens of message {k} "
+                                 f"cannot be located")
+            spans.append((len(start), len(end)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+    assistant = np.zeros(len(starts), dtype=bool)
+    for s, e in spans:
+        assistant |= (starts >= s) & (starts < e)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    return ids, np.where(assistant, ids, IGNORE_INDEX)
+
+
+def _sft_rows(data, tokenizer, seq_len, long, stats):
+    """Rows of 2 * seq_len uint32 (ids, labels) of the conversations of a JSONL file; counts in `stats`."""
+    _, _, pad = special_ids(tokenizer)
+    for batch in _batches(_jsonl(data), BATCH_DOCS):
+        rows = []
+        for n, record in batch:
+            stats["conversations"] += 1
+            where = f"{data} line {n}"
+            if "messages" not in record:
+                raise ValueError(f"{where}: no field 'messages' (its fields: {', '.join(map(repr, record)) or 'none'}); "
+                                 f"each line must be an object with 'messages': [{{\"role\", \"content\"}}, ...]")
+            ids, labels = sft_example(tokenizer, record["messages"], where)
+            if len(ids) > seq_len:
+                stats["longest"] = max(stats["longest"], len(ids))
+                if long == "drop":
+                    stats["dropped_too_long"] += 1
+                    continue
+                stats["truncated"] += 1
+                ids, labels = ids[:seq_len], labels[:seq_len]
+            if not (labels[1:] != IGNORE_INDEX).any():  # position 0 predicts nothing (the labels shift)
+                stats["dropped_no_assistant"] += 1
+                continue
+            row = np.full(2 * seq_len, IGNORE_U32, dtype=TOKEN_DTYPE)
+            row[:seq_len] = pad
+            row[:len(ids)] = ids
+            row[seq_len:seq_len + len(ids)] = np.where(labels == IGNORE_INDEX, IGNORE_U32, labels)
+            rows.append(row)
+        stats["rows"] += len(rows)
+        if rows:
+            yield np.concatenate(rows)
+
+
+def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", lead=True, barrier=None):
+    """The local path of the SFT rows of a JSONL file of conversations ("messages": [{"role",
+    "content"}, ...] per line), written once to `directory/sft-<sha>.u32` as `token_file` writes
+    (same atomic write, lead / barrier and folder rules; <sha> also covers the chat template,
+    seq_len and `long`). Each conversation is one row (`sft_example`), right-padded to seq_len
+    with the pad id (labels IGNORE_INDEX; causal attention keeps the real tokens from seeing the
+    padding, so no attention mask is needed). Read it with `sft_rows`.
+
+    A conversation longer than seq_len is dropped (long="drop", the default: a cut row loses the
+    end of its last reply with its end token, and cutting only ever hits the longest replies) or
+    cut to seq_len (long="truncate"); conversations left with no assistant token are dropped. A
+    warning gives the counts, which the meta (`file_meta`) keeps.
+
+    Not packed: each row holds one conversation. Packing several per row needs attention that
+    does not cross conversations: Hugging Face Llama does that only from position_ids that
+    restart (flash-attention's varlen kernels, not here) or from a block-diagonal 4D mask per
+    row, and training here runs the eager attention of `sharding.shard_activations` with an
+    all-ones 2D attention_mask (train.forward_loss: without one Transformers reads the position
+    ids back to the host, looking for packed sequences, every step); a block-diagonal mask would
+    be one more (bsz, 1, seq_len, seq_len) input per step, built from per-row boundaries. Padding
+    wastes the rest of each row instead.
+    """
+    if long not in ("drop", "truncate"):
+        raise ValueError(f"long={long!r} must be 'drop' or 'truncate'")
+    _check_file(data, what="SFT file", fix="pass a JSONL file with 'messages' per line")
+    tok_sha = tokenizer_sha(tokenizer, chat=True)
+    name = _name("sft", SFT_FORMAT, _data_sha(data), tok_sha, seq_len, long)
+    stats = dict(conversations=0, rows=0, dropped_too_long=0, truncated=0, dropped_no_assistant=0, longest=0)
+    meta = {"format": SFT_FORMAT, "data": str(data), "seq_len": seq_len, "long": long, "tokenizer_sha256": tok_sha}
+
+    def counted():  # runs once every row is written, before the file is renamed into place
+        if stats["rows"] == 0:
+            raise ValueError(f"{data}: none of its {stats['conversations']} conversations fits in seq_len={seq_len} "
+                             f"with an assistant token ({stats}); pass a larger seq_len")
+        meta.update(stats)
+
+    def write(path):
+        _write_atomic(path, _then(_sft_rows(data, tokenizer, seq_len, long, stats), counted), meta)
+        if stats["dropped_too_long"] or stats["truncated"]:
+            what = "dropped" if long == "drop" else "truncated"
+            warnings.warn(f"{data}: {what} {stats['dropped_too_long'] + stats['truncated']} of "
+                          f"{stats['conversations']} conversations longer than seq_len={seq_len} tokens (the "
+                          f"longest has {stats['longest']}); pass a larger seq_len"
+                          + (" or long='truncate'" if long == "drop" else ""), stacklevel=4)
+
+    return _place(directory, name, write, lead, barrier)
+
+
+def _then(iterable, done):
+    """The items of `iterable`, then a call of `done()` (once every item has been produced)."""
+    yield from iterable
+    done()
+
+
+def sft_rows(path, seq_len, val_fraction=0.1):
+    """((train ids, train labels), (val ids, val labels)) TokenRows of an SFT file; the last
+    `val_fraction` of the conversations are held out."""
+    train, val = split_rows(TokenRows(path, seq_len, stride=2 * seq_len).n_rows, val_fraction)
+    part = lambda start, n: tuple(TokenRows(path, seq_len, start, n, stride=2 * seq_len, column=c)  # noqa: E731
+                                  for c in (0, seq_len))
+    return part(0, train), part(train, val)
+
+
+# --- Everything a training loop needs ---------------------------------------------------------
+
+def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, *, val_fraction=0.1,
+                  lead=True, barrier=None, long="drop"):
+    """(train, val) TensorDatasets of TokenRows for `sharded_loader`.
+
+    Pretraining (data: None for the pydoc corpus, a text file or a .jsonl file): each dataset
+    holds one (n, seq_len) tensor of ids; the labels are the ids. SFT (sft: a .jsonl file of
+    conversations; not with data): two, (ids, labels), to pass as model(input_ids=ids,
+    labels=labels). tokenizer: a loaded one, a folder, or None for the byte tokenizer.
+    directory: where the token file goes (the checkpoint_dir; None: a temporary folder).
+    lead, barrier: on a pod, process 0 writes and every host waits at barrier() before reading.
+    """
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = get_tokenizer(tokenizer)
+    if sft is not None:
+        if data is not None:
+            raise ValueError("pass data (pretraining text) or sft (conversations), not both")
+        (ids, labels), (val_ids, val_labels) = sft_rows(
+            sft_file(sft, tokenizer, seq_len, directory, long=long, lead=lead, barrier=barrier), seq_len, val_fraction)
+        return TensorDataset(ids, labels), TensorDataset(val_ids, val_labels)
+    train, val = token_rows(token_file(data, tokenizer, directory, lead=lead, barrier=barrier), seq_len, val_fraction)
+    return TensorDataset(train), TensorDataset(val)
+
+
+# --- Conversations for SFT, from text that ships with Python ----------------------------------
+
+QUESTIONS = ("What is the Python topic {topic!r} about?", "Explain {topic!r} in Python briefly.",
+             "What does the Python reference say about {topic!r}?")
+SYSTEM = "You answer questions about Python from its language reference."
+
+
+def _summary(text, sentences=2, limit=400):
+    """The first sentences of a pydoc topic's first paragraph of prose (its title if it has none)."""
+    paragraphs = text.split("\n\n")
+    for p in paragraphs[1:]:
+        lines = p.strip("\n").split("\n")
+        if (not lines[0] or lines[0][0].isspace() or set(lines[-1]) <= set("=-*~^")
+                or re.match(r"(New|Changed|Added|Deprecated) in version", lines[0])):
+            continue  # code or grammar, a heading, a version note
+        prose = " ".join(line.strip() for line in lines)
+        out = re.sub(r":$", ".", " ".join(re.split(r"(?<=[.!?])\s+", prose)[:sentences]))  # "...:" led into code
+        return out if len(out) <= limit else out[:out.rfind(" ", 0, limit)] + " ..."
+    return paragraphs[0].split("\n")[0]
+
+
+def sft_conversations(n):
+    """n conversations about the pydoc topics, deterministic: conversation i asks about topic
+    i % 79 (with one of three phrasings, by i // 79) and the assistant answers with the first
+    sentences of its text. Every 4th has a system message first, every 3rd a second question
+    (about the next topic) and answer."""
+    from pydoc_data.topics import topics
+    keys = sorted(topics)
+    out = []
+    for i in range(n):
+        messages = [{"role": "system", "content": SYSTEM}] if i % 4 == 3 else []
+        for j in range(1 + (i % 3 == 2)):
+            key = keys[(i + j) % len(keys)]
+            question = QUESTIONS[(i // len(keys) + j) % len(QUESTIONS)].format(topic=key)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": _summary(topics[key])}]
+        out.append({"messages": messages})
+    return out
+
+
+def write_jsonl(path, records):
+    """Write records (dicts), one JSON object a line, UTF-8; returns path."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return path

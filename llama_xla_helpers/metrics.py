@@ -15,6 +15,7 @@ next to ours. Nothing here touches a device except `count_compiles`. The posts:
     plan(get_config("llama-175b"), "tpu-v4", 1, 256, "int8")["min_chips"]   # 8 = v4-16
 """
 import math
+from dataclasses import dataclass
 
 # Dense bf16 peak FLOP/s per chip (vendor spec sheets; H100 is the SXM part without sparsity).
 PEAK_FLOPS = {
@@ -220,3 +221,322 @@ def critical_batch(chip, bytes_per_param=2):
     """
     hbm = _lookup(HBM_BANDWIDTH, chip, "chip with a published HBM bandwidth")
     return PEAK_FLOPS[chip] / hbm * bytes_per_param / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Training memory plan: parameters, gradients, optimizer state and activations per chip.
+
+TRAIN_DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # parameter dtypes, by the names train.py takes
+OPTIMIZERS = ("adamw", "adafactor")         # optim.AdamW, optim.Adafactor
+ATTENTIONS = ("eager", "flash")             # HF's eager attention (this repo's), or a flash kernel
+
+
+class _MeshShape:
+    """What `sharding.param_spec` and `sharding.axis_size` read of a torch_xla Mesh (its axis names
+    and their sizes), without devices: a plan for a v5p-512 runs on a laptop."""
+
+    def __init__(self, shape, axis_names=("data", "model")):
+        self.axis_names = tuple(axis_names)
+        self._sizes = dict(zip(self.axis_names, shape))
+
+    def shape(self):
+        return dict(self._sizes)
+
+    def size(self):
+        return math.prod(self._sizes.values())
+
+
+_PARAM_SHAPES = {}  # config JSON -> [(name, shape)]
+
+
+def _param_shapes(config):
+    """[(name, shape)] of LlamaForCausalLM(config)'s parameters, built on the meta device (no memory);
+    a tied lm_head is the embedding's tensor and appears once, under the embedding's name."""
+    key = config.to_json_string()
+    if key not in _PARAM_SHAPES:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        _PARAM_SHAPES[key] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return _PARAM_SHAPES[key]
+
+
+def _shard_elements(shape, spec, mesh):
+    """Elements per device of a tensor of `shape` split by `spec` (a partition spec) on `mesh`,
+    each dimension rounded up as `sharding.shard_shape` reads it from XLA."""
+    from .sharding import axis_size
+
+    return math.prod(-(-n // (1 if axes is None else axis_size(mesh, axes))) for n, axes in zip(shape, spec))
+
+
+def _int_at_least_1(**values):
+    for name, (value, what) in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1 ({what})")
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """Bytes per chip of one training step (see `plan_training`) and, per TPU generation in
+    HBM_BYTES, whether they fit in its HBM."""
+    mesh_shape: tuple
+    strategy: str
+    batch: int
+    seq_len: int
+    dtype: str
+    optimizer: str
+    remat: bool
+    attention: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    gathered_bytes: int  # weights gathered for one layer's matmuls, and their gradients before the reduction
+    total_bytes: int
+    fits: dict  # chip -> total_bytes <= HBM_BYTES[chip]
+
+    def hbm_fraction(self, chip):
+        """total_bytes as a fraction of `chip`'s HBM."""
+        return self.total_bytes / _lookup(HBM_BYTES, chip, "chip")
+
+
+def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attention="eager", data=1, model=1):
+    """Peak bytes per chip of a training step's activations: what the forward pass saves for the
+    backward pass, plus the backward pass's largest transient gradients, for HF's LlamaForCausalLM
+    trained as train.py does (norms, softmax, logits and loss in fp32; the rest in `dtype`).
+
+    data / model: how many ways the batch and Table 2's last dims (hidden, heads, MLP width, vocab)
+    are split per chip (`plan_training` passes the mesh's; 1 and 1: one chip). Saved per decoder
+    layer, with b = batch / data sequences, s = seq_len, p = bytes of `dtype`, X' = ceil(X / model):
+      2 RMSNorms, each: its input in fp32, the normalized value and the output (x weight):
+                                                           2 * (4 + 2p) * b s d'
+      q after RoPE, k and v repeated to the query heads (GQA), attention output:
+                                                           4 * p * b s H' hd
+      eager: the softmax output, fp32 (a bf16 copy too for bf16):   (4 [+ p]) * b H' s^2
+      flash: no s x s matrix; its per-row max and sum, fp32:        2 * 4 * b H' s
+      SwiGLU: gate, silu(gate), up, their product:         4 * p * b s I'
+      the norms' 1/rms per token, fp32:                    2 * 4 * b s
+    After the layers: the final norm (4 + 2p) b s d' + 4 b s, and the fp32 log-softmax of the
+    logits (cross-entropy's saved output) 4 b s V'.
+    Transients of the backward pass, of which the peak holds the largest, after the saved tensors
+    of the layers still to go: at the loss, the gradients of the log-probabilities and of the fp32
+    logits, 8 b s V' (for bf16 the logits' bf16 gradient comes once those two are freed); in a layer,
+    eager attention's gradients of the softmax output and of the scores, 2 * 4 * b H' s^2, or the
+    MLP's of gate, up and their product, 3 p b s I', whichever is larger. These are eager PyTorch's
+    tensors; XLA may fuse some away (the loss's) or keep more (its schedule decides what is live).
+    remat=False: L * layer + max(tail + loss transients, layer transients).
+    remat=True (gradient checkpointing per decoder layer): each layer's input, L * p * b s d', plus
+    the larger of the tail with its transients and one layer recomputed with its transients.
+    Not counted: the int64 token ids, the causal mask (XLA builds it inside the fusions that read it),
+    RoPE's cos and sin (s * hd each), and XLA's own scratch (collective buffers, layout copies).
+    """
+    _int_at_least_1(batch=(batch, "sequences per step, over all data shards"), seq_len=(seq_len, "tokens per sequence"),
+                    data=(data, "ways the batch is split"), model=(model, "ways Table 2 splits the last dims"))
+    p = _lookup(TRAIN_DTYPE_BYTES, dtype, "dtype")
+    _lookup(dict.fromkeys(ATTENTIONS), attention, "attention")
+    if batch % data:
+        raise ValueError(f"batch={batch} is not divisible by the 'data' axis of size {data}; use a multiple of {data}")
+    split = lambda n: -(-n // model)
+    b, s = batch // data, seq_len
+    d, H, hd = split(config.hidden_size), split(config.num_attention_heads), config.head_dim
+    mlp, vocab = b * s * split(config.intermediate_size), b * s * split(config.vocab_size)
+    hidden, heads = b * s * d, b * s * H * hd
+    scores = b * H * s * s
+    norms = 2 * (4 + 2 * p) * hidden + 2 * 4 * b * s
+    if attention == "eager":
+        attn = 4 * p * heads + (4 if p == 4 else 4 + p) * scores
+        attn_transient = 2 * 4 * scores
+    else:
+        attn = 4 * p * heads + 2 * 4 * b * H * s
+        attn_transient = 0
+    layer = norms + attn + 4 * p * mlp
+    layer_transient = max(attn_transient, 3 * p * mlp)
+    tail = (4 + 2 * p) * hidden + 4 * b * s + 4 * vocab
+    tail_transient = 8 * vocab
+    L = config.num_hidden_layers
+    if not remat:
+        return L * layer + max(tail + tail_transient, layer_transient)
+    inputs = L * p * hidden
+    recomputed = layer - (4 * hidden if p == 4 else 0)  # in fp32 the first norm's input is the saved input
+    return inputs + max(tail + tail_transient, recomputed + layer_transient)
+
+
+def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", optimizer="adamw", remat=False, *,
+                  attention="eager", master_weights=True):
+    """Training memory plan per chip: parameters, gradients, optimizer state and activations, their
+    total, and whether it fits in the HBM of each TPU generation in HBM_BYTES (a TrainingPlan).
+
+    config: a LlamaConfig (configs.get_config); mesh_shape: (data, model) chips; strategy: "2d"
+    (Tables 1 and 2 of the Llama 2 post) or "fsdp" (sharding.param_spec); batch: global sequences
+    per step; dtype: the parameters', "bf16" or "fp32"; optimizer: "adamw" or "adafactor"
+    (llama_xla_helpers.optim); remat: gradient checkpointing per decoder layer (TrainConfig's
+    gradient_checkpointing); attention: "eager" (HF's, what this repo trains with) or "flash" (a
+    kernel that never stores the s x s scores: MaxText's and torchprime's published runs);
+    master_weights: the optimizers' fp32 copy of bf16 parameters (on by default, as in optim).
+
+    Parameters: each tensor's shard, split as sharding.param_spec splits it on this mesh (rounded
+    up per dim as shard_shape reads it). Gradients: one per parameter, its dtype and split.
+    Optimizer state, fp32: AdamW two moments per parameter; Adafactor per 2-D weight a row and a
+    column vector (the weight's spec without its last, or its first, dim), per 1-D weight a full
+    second moment; for bf16 parameters the fp32 master copy (parameter's split); a 0-d step per
+    tensor. Under "2d" the moments of a norm weight (replicated) are split over 'model' like the
+    hidden dim of the activations its gradient is reduced from: XLA propagates that split to the
+    state the first step creates (measured: tests/test_plan_training.py); its master copy is not.
+    Activations: `activation_bytes`, the batch split over 'data' and, under "2d", Table 2's last dims
+    over 'model'. Gathered: the weights XLA all-gathers for one layer's matmuls (the whole layer
+    under FSDP; split over 'model' under 2D, whose Table 1 puts the hidden dim on 'data', which the
+    batch holds) and their gradients before the reduce-scatter, for the larger of a decoder layer
+    and the lm_head; the XLA schedule may hold more than one layer's (prefetch).
+    total = parameters + gradients + optimizer state + activations + gathered.
+    """
+    from . import sharding
+
+    if not (isinstance(mesh_shape, (tuple, list)) and len(mesh_shape) == 2 and
+            all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in mesh_shape)):
+        raise ValueError(f"mesh_shape={mesh_shape!r} must be two ints >= 1, (data, model) chips, e.g. (4, 2)")
+    if strategy not in sharding.STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(sharding.STRATEGIES)}")
+    for name, value, allowed in (("dtype", dtype, TRAIN_DTYPE_BYTES), ("optimizer", optimizer, OPTIMIZERS),
+                                 ("attention", attention, ATTENTIONS)):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    _int_at_least_1(batch=(batch, "global sequences per step"), seq_len=(seq_len, "tokens per sequence"))
+    data, model = mesh_shape
+    if batch % data:
+        raise ValueError(f"batch={batch} is not divisible by the 'data' axis of size {data}; use a multiple of "
+                         f"{data} (e.g. {data * max(1, batch // data)})")
+    mesh = _MeshShape(mesh_shape)
+    if strategy == "2d":  # what shard_activations checks before annotating Table 2
+        for what, size in [("hidden_size", config.hidden_size), ("num_attention_heads", config.num_attention_heads),
+                           ("num_key_value_heads * head_dim", config.num_key_value_heads * config.head_dim),
+                           ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)]:
+            if size % model:
+                raise ValueError(f"{what}={size} is not divisible by mesh axis 'model' of size {model}, which "
+                                 f"splits it in Table 2; use a mesh whose 'model' axis has size "
+                                 f"{sharding._sizes_that_fit(size, mesh)}")
+    p = TRAIN_DTYPE_BYTES[dtype]
+    params = state = 0
+    for name, shape in _param_shapes(config):
+        spec = sharding.param_spec(name, shape, mesh, strategy)
+        sharding.check_divisible(name, shape, spec, mesh)  # shard_params' check: a ValueError naming the fix
+        n = _shard_elements(shape, spec, mesh)
+        params += n * p
+        if optimizer == "adamw":
+            moments = 2 * (n if len(shape) > 1 or strategy != "2d" else _shard_elements(shape, ("model",), mesh))
+        elif len(shape) >= 2:  # Adafactor: row and column second moments
+            moments = (_shard_elements(shape[:-1], spec[:-1], mesh) +
+                       _shard_elements(shape[:-2] + shape[-1:], spec[:-2] + spec[-1:], mesh))
+        else:
+            moments = _shard_elements(shape, ("model",) if strategy == "2d" else spec, mesh)
+        master = n if master_weights and p != 4 else 0
+        state += 4 * (moments + master) + 4  # + the 0-d fp32 step
+    acts = activation_bytes(config, batch, seq_len, dtype, remat, attention, data=data,
+                            model=model if strategy == "2d" else 1)
+    # Gathered weights: XLA all-gathers a weight over the axes its matmul cannot use (FSDP: every axis; 2D:
+    # 'data', Table 1's hidden split, which the batch holds), and reduces its gradient back: one decoder
+    # layer's weights, or the lm_head's if larger, whole (FSDP) or split over 'model' (2D), and their gradient.
+    shapes = dict(_param_shapes(config))
+    layer = sum(math.prod(v) for n, v in shapes.items() if n.startswith("model.layers.0.") and len(v) > 1)
+    head = math.prod(shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"]))
+    gathers = data > 1 if strategy == "2d" else data * model > 1  # one chip, or 2D without 'data': nothing to gather
+    gathered = 2 * p * -(-max(layer, head) // (model if strategy == "2d" else 1)) if gathers else 0
+    total = 2 * params + state + acts + gathered
+    return TrainingPlan(tuple(mesh_shape), strategy, batch, seq_len, dtype, optimizer, remat, attention,
+                        params, params, state, acts, gathered, total,
+                        {chip: total <= hbm for chip, hbm in HBM_BYTES.items()})
+
+
+def training_table(plans, labels=None, chips=("tpu-v5e", "tpu-v6e", "tpu-v5p")):
+    """A text table of TrainingPlans (a notebook prints it): GiB per chip of each part and the
+    total, then per chip generation the share of its HBM the total takes ("OOM" above 100%)."""
+    from .plots import table
+
+    rows = []
+    for i, plan in enumerate(plans):
+        row = dict(run=labels[i] if labels else i, mesh=f"{plan.mesh_shape[0]}x{plan.mesh_shape[1]}",
+                   strategy=plan.strategy, batch=plan.batch, seq=plan.seq_len,
+                   remat="yes" if plan.remat else "no", params=plan.param_bytes, grads=plan.grad_bytes,
+                   optimizer=plan.optimizer_bytes, activations=plan.activation_bytes, gathered=plan.gathered_bytes,
+                   total=plan.total_bytes)
+        row.update({k: f"{v / GiB:.1f}" for k, v in row.items() if k in ("params", "grads", "optimizer",
+                                                                          "activations", "gathered", "total")})
+        for chip in chips:
+            used = plan.hbm_fraction(chip)
+            row[chip.replace("tpu-", "")] = f"{used:.0%}" if used <= 1 else f"OOM {used:.0%}"
+        rows.append(row)
+    return table(rows)
+
+
+# Published Llama 3 training configurations on TPU slices, as the files cited say them (repository,
+# path @ commit, as stored in the index the planner's author read), to print beside plan_training's
+# figures for the same shape: `published_training()`. Both projects shard parameters over every chip
+# (FSDP) and split the batch the same way, so the plan uses strategy "fsdp" on (chips, 1). What they
+# run and the plan models differ: see "differs" of each entry.
+_TP = "AI-Hypercomputer/torchprime"
+_TP_DEFAULT = (f"{_TP}: torchprime/torch_xla_models/README.md@1d2842b5 ('The default config trains Llama 3.0 8B "
+               f"sharded over 4 chips and is tested for v6e'; 'For v5e add data.block_size=1024 to prevent OOM'); "
+               f"configs/default.yaml@023aad12 (ici_mesh.fsdp: 4, torch_dtype: bfloat16); configs/task/basic.yaml"
+               f"@023aad12 (global_batch_size: 4, optimizer adafactor); configs/data/wikitext.yaml@023aad12 "
+               f"(block_size: 8192); configs/model/llama-3-8b.yaml@1504a885 (remat: llama, attention_kernel: "
+               f"flash_attention); configs/model/remat/llama.yaml (activation_checkpoint_layers: LlamaDecoderLayer), "
+               f"read in the fork weirayao/torchprime@b0bd47e3")
+_TP_RECIPES = (f"{_TP}: torchprime/torch_xla_models/README.md@1d2842b5, 'Llama 3.0 8B on v6e-256' (global batch 1024, "
+               f"sequence length 8192, ici_mesh.fsdp=256, model/remat=llama-scan, splash_attention, task=basic: "
+               f"adafactor) and 'Llama 3.1 70B on v6e-256' (global batch 512, sequence length 8192, fsdp 256, "
+               f"model/remat=llama-scan-offload, splash_attention)")
+_MT = ("AI-Hypercomputer/maxtext: benchmarks/maxtext_trillium_model_configs.py@02df1543 (trillium = v6e), "
+       "{name}: per_device_batch_size {b}, ici_fsdp_parallelism -1 (every chip), remat_policy 'full', "
+       "max_target_length 8192, attention 'flash'{extra}; MaxText/configs/base.yml@000e9355 defaults: weight_dtype "
+       "float32, dtype (activations) bfloat16, opt_type adamw (a different, older commit than the config)")
+_FLASH_TP = ("flash/splash attention (the plan: attention='flash'); torchprime's own Llama, not HF's; whether its "
+             "Adafactor keeps fp32 master weights is not in these files (the plan's 'no master' column drops them)")
+PUBLISHED_TRAINING = [
+    dict(run="torchprime default, Llama 3 8B", model="llama3-8b", chip="tpu-v6e", chips=4, per_device_batch=1,
+         seq_len=8192, remat=True, optimizer="adafactor", dtype="bf16", attention="flash",
+         outcome="runs (tested for v6e)", source=_TP_DEFAULT, differs=_FLASH_TP),
+    dict(run="torchprime default on v5e", model="llama3-8b", chip="tpu-v5e", chips=4, per_device_batch=1,
+         seq_len=8192, remat=True, optimizer="adafactor", dtype="bf16", attention="flash",
+         outcome="OOM (README: add data.block_size=1024)", source=_TP_DEFAULT, differs=_FLASH_TP),
+    dict(run="torchprime default on v5e, block 1024", model="llama3-8b", chip="tpu-v5e", chips=4, per_device_batch=1,
+         seq_len=1024, remat=True, optimizer="adafactor", dtype="bf16", attention="flash",
+         outcome="runs (README's fix for v5e)", source=_TP_DEFAULT, differs=_FLASH_TP),
+    dict(run="torchprime recipe, Llama 3 8B, v6e-256", model="llama3-8b", chip="tpu-v6e", chips=256,
+         per_device_batch=4, seq_len=8192, remat=True, optimizer="adafactor", dtype="bf16", attention="flash",
+         outcome="published recipe", source=_TP_RECIPES, differs=_FLASH_TP + "; scan over the layers"),
+    dict(run="torchprime recipe, Llama 3.1 70B, v6e-256", model="llama3.1-70b", chip="tpu-v6e", chips=256,
+         per_device_batch=2, seq_len=8192, remat=True, optimizer="adafactor", dtype="bf16", attention="flash",
+         outcome="published recipe, with host offload", source=_TP_RECIPES,
+         differs=_FLASH_TP + "; llama-scan-offload moves tensors to host memory, which the plan keeps in HBM"),
+    dict(run="MaxText llama3-8b-8192 (v6e)", model="llama3-8b", chip="tpu-v6e", chips=256, per_device_batch=8,
+         seq_len=8192, remat=True, optimizer="adamw", dtype="fp32", attention="flash",
+         outcome="published benchmark config", source=_MT.format(name="llama3-8b-8192", b=8, extra=""),
+         differs="the slice size is not in the file (planned at 256 chips; only the parameter, gradient and "
+                 "optimizer shares depend on it); JAX/Flax model; fp32 weights with bf16 activations, which the "
+                 "plan cannot express (planned all fp32: its activations count double); flash attention"),
+    dict(run="MaxText llama3-70b-8192 (v6e)", model="llama3.1-70b", chip="tpu-v6e", chips=256, per_device_batch=2,
+         seq_len=8192, remat=True, optimizer="adamw", dtype="fp32", attention="flash",
+         outcome="published benchmark config, optimizer state on host",
+         source=_MT.format(name="llama3-70b-8192", b=2, extra=", optimizer_memory_host_offload True"),
+         differs="as the 8B entry; Llama 3 70B has Llama 3.1 70B's dims (only RoPE scaling and context differ); "
+                 "its optimizer state lives in host memory, which the plan counts in HBM"),
+]
+
+
+def published_training(entries=None):
+    """One row per PUBLISHED_TRAINING entry: their shape and outcome beside plan_training's total per
+    chip for it (GiB, with and without fp32 master weights) and the share of the chip's HBM it takes."""
+    from .configs import get_config
+
+    rows = []
+    for e in entries or PUBLISHED_TRAINING:
+        kwargs = dict(config=get_config(e["model"]), mesh_shape=(e["chips"], 1), strategy="fsdp",
+                      batch=e["per_device_batch"] * e["chips"], seq_len=e["seq_len"], dtype=e["dtype"],
+                      optimizer=e["optimizer"], remat=e["remat"], attention=e["attention"])
+        plan, bare = plan_training(**kwargs), plan_training(**kwargs, master_weights=False)
+        rows.append(dict(run=e["run"], chip=f"{e['chip'].replace('tpu-', '')} x{e['chips']}",
+                         batch_per_chip=e["per_device_batch"], seq=e["seq_len"], outcome=e["outcome"],
+                         plan_GiB=f"{plan.total_bytes / GiB:.1f}", no_master_GiB=f"{bare.total_bytes / GiB:.1f}",
+                         plan_HBM=f"{plan.hbm_fraction(e['chip']):.0%}", plan=plan))
+    return rows

@@ -106,6 +106,24 @@ def plot_loss(losses, val_losses, name="loss"):
     return _finish(fig, name)
 
 
+def plot_run(rows, name="run"):
+    """A run's curves from its metrics.jsonl rows (`runlog.read(folder)`), against the step: the training
+    loss (and the held-out loss where it was measured), the learning rate, the gradient norm."""
+    fig = Figure(figsize=(11, 3))
+    loss, lr, norm = fig.subplots(1, 3)
+    steps = [r["step"] for r in rows]
+    loss.plot(steps, [r["loss"] for r in rows], lw=1, label="train")
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    loss.plot([s for s, _ in val], [v for _, v in val], "o-", label="held-out")
+    loss.set_ylabel("loss (nats / token)"), loss.legend()
+    lr.plot(steps, [r["lr"] for r in rows], lw=1), lr.set_ylabel("learning rate")
+    norm.plot(steps, [r["grad_norm"] for r in rows], lw=1), norm.set_ylabel("gradient norm (before clipping)")
+    for ax in (loss, lr, norm):
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    return _finish(fig, name)
+
+
 def plot_lines(series, xlabel, ylabel, title, name, log=False, marks=(), integer_y=False):
     """One line per series: series = {label: {x: y}}. `marks`: x values to draw as dotted
     vertical lines (e.g. bucket boundaries); integer_y: only whole numbers on the y axis."""

@@ -37,7 +37,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.profiler as xp
 
 from .metrics import count_compiles
-from .train import DTYPES, Adafactor, build_model, first_batch, forward_loss, prepare_layers, setup
+from .train import DTYPES, build_model, first_batch, forward_loss, make_optimizer, prepare_layers, setup
 
 STEP = "step"                                       # the StepTrace name `capture` gives each step
 EXECUTE = "PjRtComputationClient::ExecuteReplicated"  # torch_xla running a compiled graph (host side)
@@ -104,7 +104,7 @@ def profile_training(cfg, logdir, steps=3, warmup=2):
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
     prepare_layers(model, cfg)
     model.train()
-    optimizer = Adafactor(model.parameters(), lr=cfg.lr)
+    optimizer = make_optimizer(cfg, model.parameters())
     ids = first_batch(cfg, mesh)
     return capture(lambda: traced_train_step(model, optimizer, ids), logdir, steps, warmup)
 

@@ -117,7 +117,7 @@ from transformers import GenerationConfig, LlamaConfig
 
 from . import checkpoint
 from .cli import ArgumentParser, add_compile_cache_args, int_list, user_errors
-from .data import ByteTokenizer
+from .data import TOKENIZER_FILES, ByteTokenizer
 from .engine import SAMPLE_TOP_K, TOP_LOGPROBS, Engine, QueueFull
 from .generate import check_buckets, load_tokenizer
 from .mesh import make_mesh, mesh_shape
@@ -125,11 +125,10 @@ from .model import Llama, ModelArgs
 from .parallel import check_tensor_parallel, replicate_kv_heads, shard_for_inference
 from .quantize import quantize as quantize_model
 from .runtime import default_dtype, init_runtime
-from .train import DTYPES, TrainConfig, build_model, mesh_arg, model_config
+from .train import DTYPES, TOKENIZER_DIR, TrainConfig, build_model, mesh_arg, model_config
 
 MAX_SEQ_LEN = 2048  # the default cache length: max_position_embeddings, capped here
 BUCKETS = (128, 256, 384, 512)  # default prefill buckets: those up to half the cache
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 MAX_N = 16  # choices per prompt
 MAX_BODY_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt as ids is about 1 MB of JSON
 DRAIN_TIMEOUT = 30.0  # seconds that SIGTERM waits for the requests in flight
@@ -162,9 +161,11 @@ def read_config(path):
 
 
 def read_tokenizer(path, step, config):
-    """The folder's Hugging Face tokenizer if it has one, else the byte tokenizer (training's)."""
-    if step is None and any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
-        return load_tokenizer(path)
+    """The folder's Hugging Face tokenizer if it has one (a training checkpoint's: the one train saved
+    beside its step folders, checkpoint_dir/tokenizer), else the byte tokenizer (training's)."""
+    folder = Path(path) if step is None else Path(str(step)).parent / TOKENIZER_DIR
+    if any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return load_tokenizer(folder)
     if config.vocab_size < ByteTokenizer.vocab_size:
         raise ValueError(f"{path} has no tokenizer, and its vocab_size={config.vocab_size} is smaller than the byte "
                          f"tokenizer's {ByteTokenizer.vocab_size}; add the model's tokenizer files to the folder")

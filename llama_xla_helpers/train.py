@@ -10,15 +10,19 @@ devices there are; `--mesh 4,2` fixes it, `--slices 2` spans 2 slices of a multi
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
+import re
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import fsspec
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
@@ -37,14 +41,18 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from . import checkpoint
 from .configs import get_config
-from .data import StepSampler, load_corpus, train_val_split
+from .data import (IGNORE_INDEX, TOKENIZER_FILES, ByteTokenizer, StepSampler, get_tokenizer, load_corpus, tokenizer_and_config,
+                   train_val_split, training_data)
 from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_bytes
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
 from .model import DTYPES
+from .optim import KINDS, AdamW, Adafactor, Schedule, clip_grad_norm
+from .runlog import RunLog
 from .cli import ArgumentParser, int_list, user_errors
 from .runtime import chip, compile_cache_counters, compile_cache_summary, default_dtype, init_runtime
-from .sharding import STRATEGIES, shard_activations, shard_params, shard_shape, sharded_loader
+from .sharding import (STRATEGIES, axis_size, batch_axes, shard_activations, shard_params, shard_shape,
+                       sharded_loader)
 
 
 @dataclass
@@ -55,87 +63,33 @@ class TrainConfig:
     dtype: str = None                 # "bf16" or "fp32" parameters; None: runtime.default_dtype()
     strategy: str = "2d"              # "2d" (Tables 1 and 2 of the post) or "fsdp"
     steps: int = 300                  # total optimizer steps (a resumed run stops here too)
-    batch_size: int = 16              # global batch, split over 'data'
-    seq_len: int = 128
-    lr: float = 1e-2
-    seed: int = 0
-    data: str = None                  # a local UTF-8 text file; default: the embedded corpus
+    batch_size: int = 16              # sequences per optimizer step (the global batch), split over 'data'
+    seq_len: int = 128                # tokens per sequence
+    optimizer: str = "adafactor"      # "adafactor" (lr relative to each weight's RMS) or "adamw"
+    lr: float = None                  # the peak learning rate; None: LR[optimizer] (1e-2 Adafactor, 1e-3 AdamW)
+    schedule: str = "constant"        # after the warm-up: "constant", "cosine" or "wsd" (optim.Schedule)
+    warmup_steps: int = 0             # linear warm-up steps
+    min_lr: float = None              # the floor cosine and wsd decay to; None: lr / 10
+    weight_decay: float = 0.1         # AdamW's decoupled weight decay
+    clip_norm: float = 0.0            # clip the global gradient norm to this (0: no clipping; the norm is logged)
+    grad_accum: int = 1               # micro-batches per optimizer step: batch_size rows in K parts, one graph
+    seed: int = 0                     # of the random init and the batch order
+    data: str = None                  # a local UTF-8 text file or JSONL ("text" per line); default: the embedded corpus
+    sft: str = None                   # JSONL chat conversations ("messages"): fine-tune on the assistant's tokens only
+    tokenizer: str = None             # a local Hugging Face tokenizer folder; default: init_from's if it has one, else bytes
     init_from: str = None             # a local Hugging Face directory to fine-tune from
-    checkpoint_dir: str = None
-    checkpoint_every: int = 100
+    checkpoint_dir: str = None        # a folder or gs:// URL for checkpoints and metrics.jsonl; None: none
+    checkpoint_every: int = 100       # steps between checkpoints (and the last step)
     keep: int = 3                     # checkpoints kept
     resume: bool = False              # continue from the newest checkpoint in checkpoint_dir
     eval_every: int = 0               # 0: evaluate once, at the end
-    eval_batches: int = 8
-    log_every: int = 10               # read losses back to the host every this many steps
+    eval_batches: int = 8             # held-out batches per evaluation
+    log_every: int = 10               # read losses back (and write metrics.jsonl) every this many steps
     gradient_checkpointing: bool = False  # recompute each decoder layer in the backward pass
     scan_layers: bool = False         # run the decoder layers through torch_xla's scan: one layer compiled, not all
     compile_cache: str = None         # a folder keeping compiled programs across runs (runtime.init_runtime)
     compile_cache_readonly: bool = False  # read compile_cache, write nothing (a cache shared by many jobs)
     progress: bool = False            # a tqdm bar with loss and tokens/s (the CLI turns it on)
-
-
-class Adafactor(torch.optim.Optimizer):
-    """Adafactor (Shazeer & Stern, 2018): factored second moments, update clipping, no momentum.
-
-    torch.optim.Adafactor and the Transformers one turn step-dependent values into Python
-    floats (`.item()`, `math.pow(step, ...)`), which XLA bakes into the graph as constants:
-    a new graph every step. Here every such value is a device tensor, so the step compiles
-    once. State is created inside the first step, so its sharding is propagated from the
-    parameters (the post's reason for two graphs: the first step, then every other step).
-
-    Mixed precision (master_weights, on by default): a parameter that is not fp32 (bf16) gets an
-    fp32 copy in its state, `state["master"]`. The update is applied to that copy, and the
-    parameter is its rounding: bf16 keeps 8 bits of mantissa, so an update smaller than about
-    2^-9 (0.2%) of a weight, which fine-tuning learning rates make most of them, would round back
-    to the old value and be lost; the fp32 copy adds them up until they show. The forward and
-    backward still run in bf16 (bf16 matmuls); the copy costs 4 bytes per parameter, saved and
-    restored with the optimizer state. master_weights=False updates bf16 parameters directly.
-    """
-
-    def __init__(self, params, lr=1e-2, eps=(1e-30, 1e-3), clip=1.0, decay_rate=-0.8, scale_parameter=True,
-                 master_weights=True):
-        super().__init__(params, dict(lr=lr, eps=eps, clip=clip, decay_rate=decay_rate,
-                                      scale_parameter=scale_parameter, master_weights=master_weights))
-
-    @staticmethod
-    def _rms(t):
-        return t.square().mean().sqrt()
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            eps1, eps2 = group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g, state = p.grad.float(), self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), device=p.device)
-                    if p.dim() >= 2:  # factored: one value per row and per column
-                        state["row"] = torch.zeros(p.shape[:-1], device=p.device)
-                        state["col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], device=p.device)
-                    else:
-                        state["sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    if group["master_weights"] and p.dtype != torch.float32:
-                        state["master"] = p.float()  # (same shape and sharding as p), fp32
-                state["step"] += 1
-                weight = state["step"] ** group["decay_rate"]  # 1 - beta2_t, a tensor
-                sq = g * g + eps1
-                if p.dim() >= 2:
-                    row, col = state["row"], state["col"]
-                    row.lerp_(sq.mean(-1), weight)
-                    col.lerp_(sq.mean(-2), weight)
-                    v = (row / row.mean(-1, keepdim=True)).unsqueeze(-1) * col.unsqueeze(-2)
-                else:
-                    v = state["sq"].lerp_(sq, weight)
-                update = g * v.rsqrt()
-                update = update / (self._rms(update) / group["clip"]).clamp(min=1.0)
-                w = state.get("master", p)  # the weight the update goes to: fp32 master, or p itself
-                lr = group["lr"] * (self._rms(w.float()).clamp(min=eps2) if group["scale_parameter"] else 1.0)
-                w.sub_((lr * update).to(w.dtype))
-                if w is not p:
-                    p.copy_(w)  # rounded to p's dtype
 
 
 INIT_ROWS = 64  # rows per random-init chunk, each drawn from its own generator
@@ -193,27 +147,68 @@ def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch
     return model
 
 
-def forward_loss(model, ids):
-    """Mean next-token loss of ids (bsz, seqlen). The explicit all-ones attention_mask keeps
-    Transformers 5 from reading position ids back to the host (its packed-sequence check),
-    which would cut the step's graph in two and stall the host every step."""
-    return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss
+def forward_loss(model, ids, labels=None, num_items=None):
+    """Mean next-token loss of ids (bsz, seqlen) over the tokens `labels` (bsz, seqlen) predicts
+    (default: ids, every token; IGNORE_INDEX where a token counts not). With num_items (a tensor), the sum
+    of the token losses divided by it instead: a micro-batch's share of a larger batch's mean.
+
+    The explicit all-ones attention_mask keeps Transformers 5 from reading position ids back to the
+    host (its packed-sequence check), which would cut the step's graph in two and stall the host
+    every step."""
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids if labels is None else labels,
+                 use_cache=False, num_items_in_batch=num_items).loss
+
+
+def optimizer_step(model, optimizer, ids, labels=None, grad_accum=1, clip_norm=0.0):
+    """One optimizer step on the batch ids (bsz, seqlen) (and its labels), traced, not run: returns
+    (loss, grad_norm), device tensors: the batch's mean loss, and the global gradient norm before
+    clipping to clip_norm (0: no clipping, the norm only; None: neither, grad_norm is None).
+
+    grad_accum=K: the batch runs as K micro-batches of bsz / K rows, forward and backward one after
+    another, their gradients adding up in p.grad; a micro-batch's loss is its share of the whole
+    batch's mean (its token losses' sum over the batch's token count), so the step equals one on the
+    whole batch, in a single graph (the loop syncs once per optimizer step). Micro-batch k is rows
+    k, k + K, k + 2K, ...: with the batch sharded on 'data' in blocks of bsz / data rows, each
+    device's rows of every micro-batch are its own, so splitting moves no data.
+
+    What it does not save: the gradient reduction over 'data' still runs inside each backward pass.
+    Measured from the compiled step's HLO (tiny model, fp32, 8 CPU devices, 2D mesh (4, 2), 32 x 24
+    tokens; tests/test_train.py): all-reduce outputs per device of 4.07 / 5.67 / 8.74 MiB at K = 1 /
+    2 / 4, that is about 2.5 MiB + K x 1.6 MiB, where 1.6 MiB is every gradient's 'model' shard
+    (1.63 MiB): one reduction of the gradients per micro-batch. XLA does not fold the K
+    reductions into one, and the weights are gathered no more often. So K trades activation memory
+    for K times the gradient traffic; on a pod, keep K small or the per-device batch large."""
+    if grad_accum == 1:
+        loss = forward_loss(model, ids, labels)
+        loss.backward()
+    else:
+        labels = ids if labels is None else labels
+        count = (labels[:, 1:] != IGNORE_INDEX).sum()  # the tokens the batch's loss averages over
+        parts = lambda t: t.view(-1, grad_accum, t.shape[1])  # (bsz / K, K, seqlen): [:, k] is micro-batch k
+        loss = 0
+        for k in range(grad_accum):
+            part = forward_loss(model, parts(ids)[:, k], parts(labels)[:, k], count)
+            part.backward()
+            loss = loss + part.detach()
+    grad_norm = None if clip_norm is None else clip_grad_norm(model.parameters(), clip_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
 
 
 def train_step(model, optimizer, ids):
-    loss = forward_loss(model, ids)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss
+    """The post's step, `optimizer_step` on ids as its own labels, whole, without the gradient norm:
+    its loss."""
+    return optimizer_step(model, optimizer, ids, clip_norm=None)[0]
 
 
 @torch.no_grad()
-def evaluate(model, val_ids, mesh, batch_size, batches):
-    """Mean next-token loss (nats per byte) on the first `batches` held-out batches."""
+def evaluate(model, val_set, mesh, batch_size, batches):
+    """Mean next-token loss (nats per token) on the first `batches` held-out batches of val_set:
+    (ids,) or (ids, labels), each (n, seqlen)."""
     model.eval()
-    loader = sharded_loader(TensorDataset(val_ids), batch_size, mesh)
-    losses = [forward_loss(model, ids) for (ids,), _ in zip(loader, range(batches))]
+    loader = sharded_loader(TensorDataset(*val_set), batch_size, mesh)
+    losses = [forward_loss(model, *batch) for batch, _ in zip(loader, range(batches))]
     model.train()
     return torch.stack(losses).mean().item()
 
@@ -230,9 +225,27 @@ class TrainResult:
     stopped_early: bool = False  # SIGTERM / SIGHUP arrived: checkpointed at the end of a step and stopped
 
 
+LR = {"adafactor": 1e-2, "adamw": 1e-3}  # default peak learning rates (Adafactor's is relative to each weight's RMS)
+
+
+def make_optimizer(cfg, params):
+    """cfg's optimizer over params, its learning rate on cfg's schedule (a device tensor: no recompiles)."""
+    lr = cfg.lr or LR[cfg.optimizer]
+    schedule = None if cfg.schedule == "constant" and not cfg.warmup_steps else Schedule(
+        cfg.schedule, lr, cfg.warmup_steps, cfg.steps, lr / 10 if cfg.min_lr is None else cfg.min_lr)
+    if cfg.optimizer == "adamw":
+        return AdamW(params, lr=lr, weight_decay=cfg.weight_decay, schedule=schedule)
+    return Adafactor(params, lr=lr, schedule=schedule)
+
+
+def lr_at(optimizer, step):
+    """The learning rate of optimizer step `step` (from 1), as the host computes it for the log."""
+    return optimizer.param_groups[0]["lr"] if optimizer.schedule is None else float(optimizer.schedule(step))
+
+
 def _check_resume(meta, cfg):
     saved = meta["extra"]["train_config"]
-    for key in ("model", "batch_size", "seq_len", "seed", "data", "dtype"):
+    for key in ("model", "batch_size", "seq_len", "seed", "data", "dtype", "optimizer", "sft", "tokenizer"):
         if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):  # older checkpoints lack dtype
             raise ValueError(f"cannot resume: the checkpoint was trained with {key}={saved[key]!r} but this "
                              f"run has {key}={getattr(cfg, key)!r}; use the same value or a new checkpoint_dir")
@@ -241,7 +254,10 @@ def _check_resume(meta, cfg):
 POSITIVE = {"steps": "optimizer steps to run", "batch_size": "sequences per step",
             "seq_len": "tokens per sequence", "checkpoint_every": "steps between checkpoints",
             "keep": "checkpoints kept", "eval_batches": "held-out batches per evaluation",
-            "log_every": "steps between loss reads", "slices": "slices of a multi-slice pod"}
+            "log_every": "steps between loss reads", "slices": "slices of a multi-slice pod",
+            "grad_accum": "micro-batches per optimizer step"}
+NON_NEGATIVE = {"warmup_steps": "linear warm-up steps (0: none)", "clip_norm": "global gradient norm to clip to "
+                "(0: no clipping; e.g. 1.0)", "weight_decay": "AdamW's weight decay (e.g. 0.1; 0: none)"}
 
 
 def check_config(cfg):
@@ -250,9 +266,23 @@ def check_config(cfg):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: the {what} must be an int >= 1")
-    if not (isinstance(cfg.lr, (int, float)) and 0 < cfg.lr < float("inf")):
-        raise ValueError(f"lr={cfg.lr!r} must be a finite number > 0 (e.g. 0.01; Adafactor scales it by "
-                         f"each weight's RMS)")
+    for name, what in NON_NEGATIVE.items():
+        value = getattr(cfg, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            raise ValueError(f"{name}={value!r}: the {what} must be a finite number >= 0")
+    if cfg.optimizer not in LR:
+        raise ValueError(f"optimizer={cfg.optimizer!r} is not one of {', '.join(LR)}")
+    if cfg.lr is not None and not (isinstance(cfg.lr, (int, float)) and 0 < cfg.lr < float("inf")):
+        raise ValueError(f"lr={cfg.lr!r} must be a finite number > 0 (e.g. 0.01 for Adafactor, which scales it by "
+                         f"each weight's RMS; 1e-3 for AdamW), or None for those defaults")
+    if cfg.schedule not in KINDS:
+        raise ValueError(f"schedule={cfg.schedule!r} is not one of {', '.join(KINDS)}")
+    lr = cfg.lr or LR.get(cfg.optimizer)
+    if cfg.schedule != "constant" or cfg.warmup_steps:  # the schedule's own checks: warm-up, floor
+        Schedule(cfg.schedule, lr, cfg.warmup_steps, cfg.steps, lr / 10 if cfg.min_lr is None else cfg.min_lr)
+    if cfg.batch_size % cfg.grad_accum:
+        raise ValueError(f"batch_size={cfg.batch_size} is not divisible by grad_accum={cfg.grad_accum}: each "
+                         f"optimizer step splits its batch into grad_accum equal micro-batches; use a multiple")
     if not isinstance(cfg.eval_every, int) or cfg.eval_every < 0:
         raise ValueError(f"eval_every={cfg.eval_every!r} must be an int >= 0 (0: evaluate once, at the end)")
     if cfg.mesh is not None and (not isinstance(cfg.mesh, (tuple, list)) or len(cfg.mesh) != 2 or
@@ -284,10 +314,46 @@ def model_config(cfg):
     return LlamaConfig.from_json_file(file)
 
 
+TOKENIZER_DIR = "tokenizer"  # checkpoint_dir/tokenizer: the run's Hugging Face tokenizer, for serve and export
+
+
+def tokenizer_path(cfg):
+    """cfg's tokenizer folder: --tokenizer, else the init_from folder's own tokenizer; None: the byte tokenizer."""
+    if cfg.tokenizer or not cfg.init_from:
+        return cfg.tokenizer
+    return cfg.init_from if any((Path(cfg.init_from) / f).is_file() for f in TOKENIZER_FILES) else None
+
+
+def datasets(cfg, tokenizer=None):
+    """(train, held-out) tensors for TensorDataset, each (n, seq_len): (ids,) to predict every token,
+    or (ids, labels) for --sft (IGNORE_INDEX on all but the assistant's tokens).
+
+    The byte tokenizer (tokenizer None) on the text itself, as before, or a Hugging Face tokenizer
+    through a token file in checkpoint_dir (data.training_data: tokenized once by process 0,
+    memory-mapped by every host)."""
+    if tokenizer is None and not cfg.sft and not (cfg.data or "").endswith(".jsonl"):
+        train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
+        return (train_ids,), (val_ids,)
+    barrier = (lambda: torch.distributed.barrier(checkpoint.host_group())) if xr.process_count() > 1 else None
+    train_set, val_set = training_data(cfg.seq_len, tokenizer, cfg.data, cfg.sft, cfg.checkpoint_dir,
+                                       lead=xr.process_index() == 0, barrier=barrier)
+    return train_set.tensors, val_set.tensors
+
+
+def save_tokenizer(tokenizer, cfg):
+    """Keep a Hugging Face tokenizer beside the checkpoints (process 0), where serve and export find it."""
+    if cfg.checkpoint_dir and xr.process_index() == 0 and not isinstance(tokenizer, ByteTokenizer):
+        with tempfile.TemporaryDirectory() as local:
+            tokenizer.save_pretrained(local)
+            fs, folder = fsspec.core.url_to_fs(f"{str(cfg.checkpoint_dir).rstrip('/')}/{TOKENIZER_DIR}")
+            fs.put(f"{local}/", folder, recursive=True)
+
+
 def setup(cfg):
-    """Start the runtime; returns (cfg with dtype and mesh filled in, mesh, LlamaConfig)."""
+    """Start the runtime; returns (cfg with dtype, mesh and lr filled in, mesh, LlamaConfig)."""
     check_config(cfg)
-    slices, config = cfg.slices, model_config(cfg)
+    _, config = tokenizer_and_config(model_config(cfg), tokenizer_path(cfg), pretrained=bool(cfg.init_from))
+    slices = cfg.slices
     # On a CPU an explicit mesh sizes the stand-in; on a TPU the mesh must match the chips (make_mesh checks).
     init_runtime(cpu_devices=math.prod(cfg.mesh) * slices if cfg.mesh else None, cache_dir=cfg.compile_cache,
                  cache_readonly=cfg.compile_cache_readonly)
@@ -299,7 +365,11 @@ def setup(cfg):
         mesh = make_mesh(shape)
     else:  # the batch crosses slices over the DCN; weights stay sharded inside each slice
         mesh = make_mesh((1,) + shape, ("dcn", "data", "model"), dcn_shape=(slices, 1, 1))
-    return dataclasses.replace(cfg, mesh=shape, dtype=dtype), mesh, config
+    rows, k = cfg.batch_size // cfg.grad_accum, axis_size(mesh, batch_axes(mesh))
+    if cfg.grad_accum > 1 and rows % k:  # (without accumulation, sharded_loader says it of the batch)
+        raise ValueError(f"a micro-batch of batch_size / grad_accum = {rows} rows cannot be split over the "
+                         f"{k} devices of the batch axes; use a batch_size that is a multiple of {k * cfg.grad_accum}")
+    return dataclasses.replace(cfg, mesh=shape, dtype=dtype, lr=cfg.lr or LR[cfg.optimizer]), mesh, config
 
 
 def checkpoint_layers(model):
@@ -407,57 +477,114 @@ def train(cfg, group=None):
     resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
     if resume_from:
         _check_resume(checkpoint.read_meta(resume_from), cfg)
-    train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
+    tokenizer = get_tokenizer(tokenizer_path(cfg))
+    save_tokenizer(tokenizer, cfg)
+    train_set, val_set = datasets(cfg, None if isinstance(tokenizer, ByteTokenizer) else tokenizer)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
     prepare_layers(model, cfg)
-    optimizer = Adafactor(model.parameters(), lr=cfg.lr)
+    optimizer = make_optimizer(cfg, model.parameters())
     start = 0
     if resume_from:
         checkpoint.init_optimizer_state(optimizer)  # state tensors for load to fill
         start = checkpoint.load(resume_from, model, optimizer, verified=True)["step"]  # latest() verified it
         if xr.process_index() == 0:
             print(f"resuming from {Path(str(resume_from)).name}: step {start + 1} next")
-    sampler = StepSampler(len(train_ids), cfg.batch_size, cfg.seed, start, max(cfg.steps - start, 0))
-    loader = sharded_loader(TensorDataset(train_ids), cfg.batch_size, mesh, sampler=sampler)
+    sampler = StepSampler(len(train_set[0]), cfg.batch_size, cfg.seed, start, max(cfg.steps - start, 0))
+    loader = sharded_loader(TensorDataset(*train_set), cfg.batch_size, mesh, sampler=sampler)
     lead = xr.process_index() == 0
+    log = RunLog(cfg.checkpoint_dir, start) if cfg.checkpoint_dir and lead else None
     bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead))
-    losses, pending, val_losses, timed, stop = {}, [], {}, [], False
+    losses, pending, val_losses, rows, stop = {}, [], {}, [], False  # rows: of metrics.jsonl, not yet written
+    clock = Clock()  # the steps' time: saves and evaluations stop it
+    dispatched = {start: clock.now()}  # step -> the clock when the host had dispatched it
     model.train()
     compiles = count_compiles()
     with stop_signals() as got:
-        for step, (ids,) in enumerate(loader, start + 1):
-            pending.append((step, train_step(model, optimizer, ids)))
+        for step, batch in enumerate(loader, start + 1):
+            loss, grad_norm = optimizer_step(model, optimizer, *batch, grad_accum=cfg.grad_accum, clip_norm=cfg.clip_norm)
+            pending.append((step, torch.stack((loss, grad_norm))))  # one read back for both, part of the step's graph
             torch_xla.sync()  # one graph per step, dispatched: the device runs it while the host goes on
-            timed.append(time.perf_counter())
+            dispatched[step] = clock.now()
             bar.update(1)
-            if step % cfg.log_every == 0:  # read every loss but this step's: the device is already past them
-                read_losses(pending[:-1], losses)
+            if step % cfg.log_every == 0:  # read every step's values but this one's: the device is already past them
+                rows += read_steps(pending[:-1], losses, dispatched, cfg, optimizer)
                 pending = pending[-1:]
-                if cfg.progress and len(timed) > 2:
-                    tps = cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (timed[-1] - timed[1])
-                    bar.set_postfix(loss=f"{losses[step - 1]:.3f}", tok_s=f"{tps:,.0f}")
+                if cfg.progress and rows:
+                    bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", tok_s=f"{rows[-1]['tokens_per_sec']:,.0f}")
             stop = should_stop(step, got, cfg.log_every, group)
             if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
-                checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
-                                extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict(),
-                                           dtypes=run_dtypes(cfg.dtype)))
+                with clock.stopped():
+                    checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
+                                    extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict(),
+                                               dtypes=run_dtypes(cfg.dtype)))
+                rows = write_rows(log, rows, val_losses, count_compiles() - compiles, flush=True)
             if stop:  # preempted: this step is saved; stop here
                 break
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-                before = count_compiles()
-                val_losses[step] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
-                compiles += count_compiles() - before  # evaluation graphs are not training graphs
+                with clock.stopped():
+                    before = count_compiles()
+                    val_losses[step] = evaluate(model, val_set, mesh, cfg.batch_size, cfg.eval_batches)
+                    compiles += count_compiles() - before  # evaluation graphs are not training graphs
+            rows = write_rows(log, rows, val_losses, count_compiles() - compiles)
     xm.wait_device_ops()
-    done = time.perf_counter()
-    read_losses(pending, losses)
-    compiles = count_compiles() - compiles
+    done = clock.now()
+    rows += read_steps(pending, losses, dispatched, cfg, optimizer)
+    train_compiles = count_compiles() - compiles
     bar.close()
-    val_losses[max(losses, default=start)] = evaluate(model, val_ids, mesh, cfg.batch_size, cfg.eval_batches)
-    tps = (cfg.batch_size * cfg.seq_len * (len(timed) - 2) / (done - timed[1]) / mesh.size()
-           if len(timed) > 2 else None)  # after the two compiling steps
+    val_losses[max(losses, default=start)] = evaluate(model, val_set, mesh, cfg.batch_size, cfg.eval_batches)
+    write_rows(log, rows, val_losses, train_compiles)
+    if log:
+        log.close()
+    timed = len(dispatched) - 3  # steps after the two that compile, from the second's dispatch to the end
+    tps = cfg.batch_size * cfg.seq_len * timed / (done - dispatched[start + 2]) / mesh.size() if timed > 0 else None
     peak = PEAK_FLOPS.get(chip())
-    return TrainResult(model, optimizer, losses, val_losses, compiles, tps,
+    return TrainResult(model, optimizer, losses, val_losses, train_compiles, tps,
                        mfu(tps, config, cfg.seq_len, peak) if peak and tps else None, stop)
+
+
+class Clock:
+    """Seconds of training: `stopped()` holds the clock still (checkpoint saves, evaluations)."""
+
+    def __init__(self):
+        self.paused = 0.0
+
+    def now(self):
+        return time.perf_counter() - self.paused
+
+    @contextlib.contextmanager
+    def stopped(self):
+        xm.wait_device_ops()  # the steps already dispatched finish on the clock
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - begin
+
+
+def read_steps(pending, losses, dispatched, cfg, optimizer):
+    """Read the (step, device [loss, grad norm]) pairs back (one wait, then a small copy each) into
+    `losses`; returns their metrics.jsonl rows. A step's time is the clock between its dispatch and
+    the previous one's: in steady state the host waits for the device, so it is the device's time."""
+    rows = []
+    for step, values in pending:
+        loss, grad_norm = values.tolist()
+        losses[step] = loss
+        seconds = dispatched[step] - dispatched[step - 1]
+        rows.append(dict(step=step, loss=loss, lr=lr_at(optimizer, step), grad_norm=grad_norm, step_time=seconds,
+                         tokens_per_sec=cfg.batch_size * cfg.seq_len / seconds))
+    return rows
+
+
+def write_rows(log, rows, val_losses, compiles, flush=False):
+    """Write the rows to metrics.jsonl (process 0; `log` None elsewhere), with the held-out loss of the
+    steps that have one and `compiles`, the training graphs compiled so far; returns [] (nothing left
+    to write)."""
+    if log:
+        log.write([{**row, "compiles": compiles, **({"val_loss": val_losses[row["step"]]} if row["step"] in val_losses
+                                               else {})} for row in rows])
+        if flush:
+            log.flush()
+    return []
 
 
 def run_dtypes(dtype):
@@ -517,25 +644,27 @@ def read_losses(pending, losses):
 def first_batch(cfg, mesh):
     """The first `cfg.batch_size` sequences of cfg's training data, sharded over mesh's batch axes:
     one fixed batch for measuring a step (profiles, compile time, compiled HLO)."""
-    train_ids, _ = train_val_split(load_corpus(cfg.data), cfg.seq_len)
-    [(ids,)] = list(sharded_loader(TensorDataset(train_ids[:cfg.batch_size]), cfg.batch_size, mesh))
+    train_set, _ = datasets(cfg)
+    [(ids, *_)] = list(sharded_loader(TensorDataset(*(t[:cfg.batch_size] for t in train_set)), cfg.batch_size, mesh))
     return ids  # (batch_size, seq_len)
 
 
 def profile_step(cfg):
-    """One steady-state training step, per device: bytes of parameters and optimizer state, and,
-    read from its compiled HLO, its scratch bytes (activations), matmuls and collectives (needs
-    init_runtime(hlo_dump_dir=...) and shapes not compiled before in this process)."""
+    """One steady-state training step as cfg sets it (optimizer, grad_accum, clip_norm), per device:
+    bytes of parameters and optimizer state, and, read from its compiled HLO, its scratch bytes
+    (activations), matmuls and collectives (needs init_runtime(hlo_dump_dir=...) and shapes not
+    compiled before in this process)."""
     cfg, mesh, config = setup(cfg)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, dtype=DTYPES[cfg.dtype])
     prepare_layers(model, cfg)
     model.train()  # HF checkpoints layers only in training mode
-    optimizer = Adafactor(model.parameters(), lr=cfg.lr)
+    optimizer = make_optimizer(cfg, model.parameters())
     ids = first_batch(cfg, mesh)
-    train_step(model, optimizer, ids)  # step 1 creates the optimizer state
+    step = lambda: optimizer_step(model, optimizer, ids, None, cfg.grad_accum, cfg.clip_norm or None)  # no norm unless clipping
+    step()  # step 1 creates the optimizer state
     torch_xla.sync()
     with compiled_hlo() as modules, compiled_hlo(BUFFER_ASSIGNMENT) as buffers:
-        train_step(model, optimizer, ids)
+        step()
         torch_xla.sync()
     state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
     nbytes = lambda ts: sum(math.prod(shard_shape(t)) * t.element_size() for t in ts)
@@ -548,17 +677,24 @@ def profile_step(cfg):
 mesh_arg = int_list("4,2 (data, model)")  # --mesh 4,2 -> (4, 2)
 
 
+def field_help():
+    """{field: its comment in TrainConfig's source}: the CLI's help lines, written once."""
+    lines = inspect.getsource(TrainConfig).splitlines()
+    return {m[1]: m[2] for m in (re.match(r"\s+(\w+):[^#]*#\s*(.*)", line) for line in lines) if m}
+
+
 def _parse_args(argv=None):
     """One --flag per TrainConfig field: --mesh 4,2, --steps 300, --resume, ...; and --debug."""
     parser = ArgumentParser(prog="python -m llama_xla_helpers.train", description=__doc__.split("\n")[0])
+    helps = field_help()
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flag, help = "--" + f.name.replace("_", "-"), f"{helps.get(f.name, '')} (default: {f.default})"
         if f.type is bool:
-            parser.add_argument(flag, action="store_true", default=f.default)
+            parser.add_argument(flag, action="store_true", default=f.default, help=helps.get(f.name))
         elif f.type is tuple:
-            parser.add_argument(flag, type=mesh_arg, default=f.default)
+            parser.add_argument(flag, type=mesh_arg, default=f.default, help=help)
         else:
-            parser.add_argument(flag, type=f.type, default=f.default)
+            parser.add_argument(flag, type=f.type, default=f.default, help=help)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     args = vars(parser.parse_args(argv))
     return TrainConfig(**{k: v for k, v in args.items() if k != "debug"}), args["debug"]

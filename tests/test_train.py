@@ -18,15 +18,19 @@ from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, trai
 from llama_xla_helpers.hlo import dot_dtypes
 from llama_xla_helpers.sharding import sharded_loader
 from llama_xla_helpers.train import (DTYPES, Adafactor, TrainConfig, _parse_args, build_model, first_batch, forward_loss,
-                                     init_chunk, init_weights, main, setup, should_stop, stop_signals, train,
-                                     train_step)
-from util import N, shapes_2d
+                                     init_chunk, init_weights, main, make_optimizer, optimizer_step, setup, should_stop,
+                                     stop_signals, train, train_step)
+from util import N, preempted, shapes_2d
 
 # Small and quick: 2 steps compile, the rest reuse the graph. The mesh is picked for the devices there are.
 SMALL = TrainConfig(steps=4, batch_size=max(8, N), seq_len=32, eval_batches=2)
 # For the tests whose point is equality with the fp32 CPU reference (cpu_losses): fp32 whatever
 # LLAMA_XLA_DEFAULT_DTYPE says (check-variants runs every test with it set to bf16).
 SMALL_FP32 = dataclasses.replace(SMALL, dtype="fp32")
+# The options a real run adds, together: AdamW, warm-up then cosine, clipping that bites, 2 micro-batches
+# (of max(8, N) rows: a micro-batch must split over 'data').
+OPTIONS = dict(optimizer="adamw", schedule="cosine", warmup_steps=2, clip_norm=0.5, grad_accum=2,
+               batch_size=2 * SMALL.batch_size)
 
 
 def cpu_losses(cfg):
@@ -37,11 +41,12 @@ def cpu_losses(cfg):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init(name, tuple(p.shape))())  # read(): the whole tensor
-    optimizer = Adafactor(model.parameters(), lr=cfg.lr)
+    optimizer = make_optimizer(cfg, model.parameters())
     train_ids, _ = train_val_split(load_corpus(), cfg.seq_len)
     sampler = StepSampler(len(train_ids), cfg.batch_size, cfg.seed, 0, cfg.steps)
     loader = DataLoader(TensorDataset(train_ids), batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
-    return {step: train_step(model, optimizer, ids).item() for step, (ids,) in enumerate(loader, 1)}
+    return {step: optimizer_step(model, optimizer, ids, clip_norm=cfg.clip_norm)[0].item()  # the whole batch at once
+            for step, (ids,) in enumerate(loader, 1)}
 
 
 def test_random_init_draws_each_block_alone_from_keyed_row_chunks(monkeypatch):
@@ -123,10 +128,12 @@ def test_adafactor_matches_transformers_adafactor():
 
 
 @pytest.mark.devices
-@pytest.mark.parametrize("strategy, mesh", [("2d", None), ("fsdp", (N, 1))])
-def test_training_compiles_two_graphs_however_many_steps(strategy, mesh):
+@pytest.mark.parametrize("strategy, mesh, options", [("2d", None, {}), ("fsdp", (N, 1), {})])
+def test_training_compiles_two_graphs_however_many_steps(strategy, mesh, options):
+    """(test_loop.py runs it with OPTIONS.)"""
     # A shape no other test uses, so the graphs are compiled here and not taken from the cache.
-    result = train(dataclasses.replace(SMALL, steps=8, seq_len=40, log_every=3, strategy=strategy, mesh=mesh))
+    result = train(dataclasses.replace(SMALL, steps=8, seq_len=40, log_every=3, strategy=strategy, mesh=mesh,
+                                       **options))
     assert result.train_compiles == 2   # step 1 (creates optimizer state) and every later step: nothing read mid-step
     assert sorted(result.losses) == list(range(1, 9))  # every step's loss, read every 3 steps
     assert all(isinstance(v, float) for v in result.losses.values())
@@ -143,9 +150,11 @@ def test_same_seed_same_losses():
 
 
 @pytest.mark.devices
-@pytest.mark.parametrize("strategy, mesh", [("2d", shape) for shape in shapes_2d()] + [("fsdp", (N, 1))])
-def test_sharded_training_matches_unsharded(strategy, mesh):
-    cfg = dataclasses.replace(SMALL_FP32, strategy=strategy, mesh=mesh)
+@pytest.mark.parametrize("strategy, mesh, options", [("2d", shape, {}) for shape in shapes_2d()] + [("fsdp", (N, 1), {})])
+def test_sharded_training_matches_unsharded(strategy, mesh, options):
+    """(test_loop.py runs it with OPTIONS: there the CPU reference runs each step's batch whole, the
+    sharded run in 2 micro-batches.)"""
+    cfg = dataclasses.replace(SMALL_FP32, strategy=strategy, mesh=mesh, **options)
     want = cpu_losses(cfg)
     got = train(cfg).losses
     assert list(got) == list(want)
@@ -225,14 +234,15 @@ def test_bf16_master_weights_keep_the_updates_that_bf16_parameters_lose():
     assert min(error(plain)) > 0.25
 
 
-def test_a_bf16_run_resumes_as_if_never_interrupted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("options", [{}], ids=["adafactor"])  # test_loop.py: with OPTIONS
+def test_a_bf16_run_resumes_as_if_never_interrupted(tmp_path, monkeypatch, options):
     """bf16 by default (LLAMA_XLA_DEFAULT_DTYPE, as on a TPU): the fp32 optimizer state and master
     weights come back fp32, and the resumed losses equal the uninterrupted run's, bit for bit."""
     monkeypatch.setenv("LLAMA_XLA_DEFAULT_DTYPE", "bf16")
-    run = dataclasses.replace(SMALL, steps=6, checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck"))
+    run = dataclasses.replace(SMALL, steps=6, checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck"), **options)
     whole = train(dataclasses.replace(run, checkpoint_dir=str(tmp_path / "whole")))
     assert {p.dtype for p in whole.model.parameters()} == {torch.bfloat16}
-    train(dataclasses.replace(run, steps=3))
+    preempted(run, 3, monkeypatch)
     resumed = train(dataclasses.replace(run, resume=True))
     assert resumed.losses == {step: whole.losses[step] for step in (4, 5, 6)}
     state = {k: v.dtype for s in resumed.optimizer.state.values() for k, v in s.items() if v.dim()}
@@ -241,16 +251,6 @@ def test_a_bf16_run_resumes_as_if_never_interrupted(tmp_path, monkeypatch):
     assert meta["extra"]["dtypes"] == dict(parameters="bf16", compute="bf16", master_weights="fp32")
     cfg, mesh, _ = setup(SMALL)
     assert set(step_dots(resumed.model, cfg, mesh)) == {"bf16"}
-
-
-def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
-    run = dataclasses.replace(SMALL, steps=6, checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck"))
-    whole = train(dataclasses.replace(run, checkpoint_dir=str(tmp_path / "whole"))).losses
-    train(dataclasses.replace(run, steps=3))                          # stops after its checkpoint at step 3
-    resumed = train(dataclasses.replace(run, resume=True)).losses
-    assert resumed == {step: whole[step] for step in (4, 5, 6)}      # bit for bit
-    with pytest.raises(ValueError, match="trained with seq_len=32 but this run has seq_len=40"):
-        train(dataclasses.replace(run, seq_len=40, resume=True))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])

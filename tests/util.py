@@ -43,3 +43,12 @@ def teacher_forced_agreement(reference, other, tokens, generated_from):
     dots = set(dot_dtypes([logits])) if device.type == "xla" else None
     same = want.argmax(-1).cpu() == logits.argmax(-1).cpu()  # position i predicts token i + 1
     return same[:, generated_from - 1:-1].float().mean().item(), dots
+
+
+def preempted(run, step, monkeypatch):
+    """Train `run` as if a stop signal came during `step`: it checkpoints that step and stops. (Not
+    `steps=step`: the learning-rate schedule depends on the run's length.)"""
+    from llama_xla_helpers import train
+    with monkeypatch.context() as m:
+        m.setattr(train, "should_stop", lambda s, *_: s == step)
+        assert train.train(run).stopped_early

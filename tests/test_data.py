@@ -1,0 +1,352 @@
+"""data.py: tokenizers, token files read through np.memmap, JSONL documents and SFT rows (CPU only,
+but one test that feeds TokenRows to sharded_loader)."""
+import json
+import os
+import pickle
+import re
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llama_xla_helpers import data
+from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.data import (IGNORE_INDEX, ByteTokenizer, TokenRows, check_vocab, encode_document, file_meta,
+                                    get_tokenizer, load_corpus, padded_vocab_size, sft_conversations, sft_example,
+                                    sft_file, sft_rows, small_tokenizer, token_file, token_rows, tokenizer_and_config,
+                                    training_data, write_jsonl)
+from llama_xla_helpers.generate import llama3_chat
+
+TOKEN_FILE = re.compile(r"tokens-[0-9a-f]{16}\.u32")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return small_tokenizer()
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(load_corpus()[:30_000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def own_temp_dir(tmp_path, monkeypatch):
+    """Token files without a directory (and local copies of gs:// ones) go to this test's folder."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "systemp"))
+    os.makedirs(tmp_path / "systemp")
+
+
+def flat(rows):
+    return rows[:].flatten().tolist()
+
+
+# --- Tokenizers -------------------------------------------------------------------------------
+
+def test_small_tokenizer_is_deterministic_and_writes_llama3_chat(tok, tmp_path):
+    again = small_tokenizer(path=tmp_path / "tok")
+    assert len(tok) == 512 and tok.get_vocab() == again.get_vocab()
+    assert tok.backend_tokenizer.to_str() == again.backend_tokenizer.to_str()
+    assert data.tokenizer_sha(tok) == data.tokenizer_sha(again)
+    loaded = get_tokenizer(tmp_path / "tok")  # save_pretrained, then AutoTokenizer from the folder
+    text = load_corpus()[:2000]
+    assert loaded.encode(text) == tok.encode(text) and tok.encode(text)[0] == tok.bos_token_id
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text  # byte-level: any text round-trips
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|begin_of_text|>", "<|eot_id|>", "<|pad|>")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " What is a list? "}]
+    for t in (tok, loaded):
+        assert t.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == llama3_chat(messages)
+    assert get_tokenizer(None).__class__ is ByteTokenizer
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        get_tokenizer(tmp_path / "nothing")
+
+
+def test_padded_vocab_size_rounds_up_to_a_multiple_of_64():
+    assert [padded_vocab_size(n) for n in (1, 64, 65, 258, 512, 32000, 128256)] == [64, 64, 128, 320, 512, 32000,
+                                                                                      128256]
+
+
+def test_a_tokenizer_longer_than_the_model_vocab_is_an_error(tok):
+    with pytest.raises(ValueError, match=r"the tokenizer has 512 tokens but the model's vocab_size is 264: .*"
+                                         r"padded_vocab_size\(512\) = 512"):
+        check_vocab(tok, 264)
+    tiny = get_config("tiny")
+    with pytest.raises(ValueError, match="has 512 tokens but the model's vocab_size is 264"):
+        tokenizer_and_config(tiny, tok, pretrained=True)  # fine-tuning tiny with it: an error
+    _, sized = tokenizer_and_config(tiny, tok)  # from random init: the model is sized for the tokenizer
+    assert (sized.vocab_size, sized.bos_token_id, sized.eos_token_id, sized.pad_token_id) == (
+        512, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    assert tiny.vocab_size == 264 and sized.hidden_size == tiny.hidden_size  # a copy; the rest is tiny's
+    byte, same = tokenizer_and_config(tiny, None, pretrained=True)  # tiny is a byte-level model
+    assert isinstance(byte, ByteTokenizer) and same is tiny
+    with pytest.raises(ValueError, match="not trained with the byte tokenizer.*pass the model's own tokenizer"):
+        tokenizer_and_config(get_config("llama3-8b"), None, pretrained=True)
+    with pytest.raises(ValueError, match="has 258 tokens but the model's vocab_size is 200"):
+        tokenizer_and_config(LlamaConfig(vocab_size=200), None)
+
+
+# --- Token files ------------------------------------------------------------------------------
+
+def test_token_file_is_written_once_and_its_rows_are_the_encoding(tok, text_file, tmp_path, monkeypatch):
+    path = token_file(text_file, tok, tmp_path / "ck")
+    assert TOKEN_FILE.fullmatch(path.name) and path.parent == tmp_path / "ck"
+    text = text_file.read_text(encoding="utf-8")
+    want = tok.encode(text) + [tok.eos_token_id]  # BOS (encode adds it), the text, EOS
+    assert want == encode_document(tok, text) and file_meta(path)["tokens"] == len(want)
+    train, val = token_rows(path, 32)
+    n = len(want) // 32
+    assert (len(train), len(val)) == (int(n * 0.9), n - int(n * 0.9)) and train.shape == (len(train), 32)
+    assert flat(train) + flat(val) == want[:n * 32]  # read through the memmap
+    assert train.dtype == train[0].dtype == torch.int64
+
+    mtime = path.stat().st_mtime_ns
+
+    def no_tokenizing(*args):
+        raise AssertionError("tokenized again")
+    with monkeypatch.context() as m:
+        m.setattr(data, "_encode_plain", no_tokenizing)
+        assert token_file(text_file, tok, tmp_path / "ck") == path and path.stat().st_mtime_ns == mtime
+    # another tokenizer, another text or a copy of the text elsewhere: the name follows the bytes
+    byte_path, byte_ids = token_file(text_file, ByteTokenizer(), tmp_path / "ck"), ByteTokenizer().encode(text, eos=True)
+    assert byte_path != path and flat(TokenRows(byte_path, 64)) == byte_ids[:len(byte_ids) // 64 * 64]
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(text_file.read_bytes())
+    assert token_file(copy, tok, tmp_path / "ck") == path
+    copy.write_text(text + "!", encoding="utf-8")
+    assert token_file(copy, tok, tmp_path / "ck") != path
+    # no directory: a folder of the system's temporary folder
+    assert token_file(text_file, tok).parent == tmp_path / "systemp" / data.CACHE_DIR
+
+
+def test_text_in_pieces_encodes_like_the_whole_text(tok, text_file, tmp_path):
+    pieces = list(data._text_pieces(text_file, 1000))
+    assert len(pieces) > 25 and "".join(pieces) == text_file.read_text(encoding="utf-8")
+    whole, cut = token_file(text_file, tok, tmp_path), token_file(text_file, tok, tmp_path, piece_chars=1000)
+    assert whole != cut and whole.read_bytes() == cut.read_bytes()
+
+
+def test_a_failed_write_leaves_no_token_file(tok, text_file, tmp_path, monkeypatch):
+    encode, calls = data._encode_plain, []
+
+    class Crash(BaseException):  # not an Exception: as a Ctrl+C, or the job being stopped, halfway through
+        pass
+
+    def crash_on_third_piece(tokenizer, texts):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Crash
+        return encode(tokenizer, texts)
+    with monkeypatch.context() as m, pytest.raises(Crash):
+        m.setattr(data, "_encode_plain", crash_on_third_piece)
+        token_file(text_file, tok, tmp_path / "ck", piece_chars=1000)
+    assert len(calls) == 3 and list((tmp_path / "ck").iterdir()) == []  # not even the temporary file
+    # a process killed mid-write leaves its temporary file, under a name that is never read
+    path = token_file(text_file, tok, tmp_path / "good", piece_chars=1000)
+    (tmp_path / "ck" / f".{path.name}.12345.deadbeef.tmp").write_bytes(path.read_bytes()[:1000])
+    assert token_file(text_file, tok, tmp_path / "ck", piece_chars=1000).read_bytes() == path.read_bytes()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted(
+        [f".{path.name}.12345.deadbeef.tmp", path.name, path.name + ".json"])
+
+
+def test_hosts_other_than_the_lead_read_the_lead_s_file(tok, text_file, tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="does not exist on this host: the token folder must be one that "
+                                                "every host sees"):
+        token_file(text_file, tok, tmp_path / "own-disk", lead=False)
+    waited = []
+    path = token_file(text_file, tok, tmp_path / "shared", barrier=lambda: waited.append(1))
+    assert waited == [1] and token_file(text_file, tok, tmp_path / "shared", lead=False) == path
+    # a gs:// checkpoint_dir (here fsspec's in-memory file system): the lead uploads, each host reads a local copy
+    url = f"memory://{tmp_path.name}/run"
+    local = token_file(text_file, tok, url)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "other-host"))
+    os.makedirs(tmp_path / "other-host")
+    copied = token_file(text_file, tok, url, lead=False)
+    assert copied != local and copied.read_bytes() == local.read_bytes() == path.read_bytes()
+    assert file_meta(copied) == file_meta(local)
+
+
+def test_token_rows_index_like_a_tensor(tmp_path):
+    path = tmp_path / "t.u32"
+    np.arange(10 * 8 + 5, dtype="<u4").tofile(path)  # 10 rows of 8, and a tail that fills no row
+    whole = torch.arange(80).view(10, 8)
+    rows, t = TokenRows(path, 8, start_row=2, n_rows=5), whole[2:7]
+    assert rows.shape == t.shape and rows.size(0) == len(rows) == 5 and TokenRows(path, 8).shape == (10, 8)
+    batch = torch.tensor([4, 0, 3])
+    for index in (0, -1, slice(None), slice(1, 4), slice(None, None, 2), batch, [1, 1], np.array([2]),
+                  (slice(None), slice(2, 5)), (batch, 3), (batch[1:], slice(0, 4))):
+        assert torch.equal(rows[index], t[index]), index
+    assert rows[4:0:-1].tolist() == t.numpy()[4:0:-1].tolist()
+    index = (slice(0, 2), slice(4, 8))  # what sharded_loader asks for one device's block
+    assert torch.equal(rows[batch[index[0]]][:, index[1]], t[batch[index[0]]][:, index[1]])
+    assert torch.equal(rows.rows(1, 3)[:], t[1:3])
+    assert torch.equal(pickle.loads(pickle.dumps(rows))[:], t)  # a DataLoader worker reopens the file
+    assert torch.equal(TensorDataset(rows)[3][0], t[3])
+    with pytest.raises(IndexError, match="out of range for 5 rows"):
+        rows[5]
+    with pytest.raises(IndexError, match=r"in -5\.\.4"):
+        rows[torch.tensor([0, 5])]
+    with pytest.raises(ValueError, match="not all in"):
+        TokenRows(path, 8, start_row=8, n_rows=3)
+
+
+def test_sharded_loader_reads_token_rows(runtime, tmp_path):
+    from llama_xla_helpers.mesh import make_mesh
+    from llama_xla_helpers.sharding import sharded_loader
+    path = tmp_path / "t.u32"
+    np.arange(40 * 16, dtype="<u4").tofile(path)
+    rows, tensor = TokenRows(path, 16), torch.arange(40 * 16).view(40, 16)
+    mesh = make_mesh()  # every device on 'data': each reads its own rows of the batch
+    batch = 2 * int(mesh.size())
+    sampler = data.StepSampler(40, batch, seed=0, start=0, steps=2)
+    got = [ids.cpu() for (ids,) in sharded_loader(TensorDataset(rows), batch, mesh, sampler=sampler)]
+    want = [tensor[list(sampler)[i * batch:(i + 1) * batch]] for i in range(2)]
+    assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# --- JSONL ------------------------------------------------------------------------------------
+
+def test_jsonl_documents_are_joined_with_eos(tok, tmp_path):
+    docs = ["The first document.", "Grüße, zweites Dokument.\nZwei Zeilen.", "3"]
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": d, "id": i} for i, d in enumerate(docs)])
+    with open(path, "a") as f:
+        f.write("\n   \n")  # blank lines are skipped
+    want = [i for d in docs for i in tok.encode(d) + [tok.eos_token_id]]
+    assert flat(TokenRows(token_file(path, tok, tmp_path), len(want))) == want
+    assert data.read_documents(path) == docs
+    byte = TokenRows(token_file(path, ByteTokenizer(), tmp_path), 1)
+    assert flat(byte) == [i for d in docs for i in ByteTokenizer().encode(d, eos=True)]
+
+
+@pytest.mark.parametrize("line, error", [
+    ('{"text": "fine"', r"line 2: not valid JSON \(Expecting ',' delimiter at column 16\)"),
+    ('{"body": "no text", "id": 3}', r"line 2: no field 'text' \(its fields: 'body', 'id'\)"),
+    ('{"text": ["a", "list"]}', "line 2: 'text' is a JSON list, not a string"),
+    ('["text"]', "line 2: a JSON list, not an object"),
+])
+def test_jsonl_errors_name_the_line(tok, tmp_path, line, error):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a good line"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=error):
+        token_file(path, tok, tmp_path / "ck")
+    assert list((tmp_path / "ck").iterdir()) == []
+
+
+def test_missing_and_non_utf8_data_files(tok, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist; pass a UTF-8 text file or a JSONL file"):
+        token_file(tmp_path / "missing.txt", tok, tmp_path)
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("Grüße".encode("utf-8") * 400 + "Grüße".encode("latin-1"))
+    with pytest.raises(ValueError, match="is not UTF-8 text: byte 2802 is 0xfc"):
+        token_file(path, tok, tmp_path / "ck", piece_chars=1000)
+
+
+# --- SFT --------------------------------------------------------------------------------------
+
+def test_sft_labels_are_the_assistant_tokens_only(tok):
+    conversations = sft_conversations(12)
+    assert any(c["messages"][0]["role"] == "system" for c in conversations)
+    assert any(sum(m["role"] == "assistant" for m in c["messages"]) == 2 for c in conversations)
+    for c in conversations:
+        ids, labels = sft_example(tok, c["messages"])
+        assert ids.tolist() == tok.apply_chat_template(c["messages"], return_dict=False)
+        kept = labels != IGNORE_INDEX
+        assert (labels[kept] == ids[kept]).all()
+        replies = "".join(m["content"].strip() + "<|eot_id|>" for m in c["messages"] if m["role"] == "assistant")
+        assert tok.decode(ids[kept]) == replies
+        masked = tok.decode(ids[~kept])  # everything else: BOS, headers, system and user turns
+        assert masked.startswith("<|begin_of_text|><|start_header_id|>") and "assistant<|end_header_id|>" in masked
+        assert all(m["content"] in masked for m in c["messages"] if m["role"] != "assistant")
+
+
+def test_sft_rows_pad_drop_and_hold_out(tok, tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", sft_conversations(40))
+    lengths = [len(sft_example(tok, c["messages"])[0]) for c in sft_conversations(40)]
+    seq_len = sorted(lengths)[30]  # about 9 are longer than this
+    kept = [c for c, n in zip(sft_conversations(40), lengths) if n <= seq_len]
+    long = 40 - len(kept)
+    with pytest.warns(UserWarning, match=f"dropped {long} of 40 conversations longer than seq_len={seq_len}"):
+        file = sft_file(path, tok, seq_len, tmp_path / "ck")
+    assert re.fullmatch(r"sft-[0-9a-f]{16}\.u32", file.name) and long > 0
+    assert {k: file_meta(file)[k] for k in ("conversations", "rows", "dropped_too_long")} == dict(
+        conversations=40, rows=len(kept), dropped_too_long=long)
+    (ids, labels), (val_ids, val_labels) = sft_rows(file, seq_len)
+    train = int(len(kept) * 0.9)
+    assert (len(ids), len(val_ids)) == (train, len(kept) - train) and ids.shape == labels.shape == (train, seq_len)
+    assert torch.equal(val_ids[0], sft_rows(file, seq_len, val_fraction=0)[0][0][train])
+    for row in range(train):
+        want_ids, want_labels = sft_example(tok, kept[row]["messages"])
+        n = len(want_ids)
+        assert ids[row][:n].tolist() == want_ids.tolist() and labels[row][:n].tolist() == want_labels.tolist()
+        assert (ids[row][n:] == tok.pad_token_id).all() and (labels[row][n:] == IGNORE_INDEX).all()
+    assert sft_file(path, tok, seq_len, tmp_path / "ck") == file  # written once
+    with pytest.warns(UserWarning, match=f"truncated {long} of 40 conversations"):
+        cut = sft_file(path, tok, seq_len, tmp_path / "ck", long="truncate")
+    assert file_meta(cut)["truncated"] == long and file_meta(cut)["rows"] == 40
+    with pytest.raises(ValueError, match="none of its 40 conversations fits in seq_len=8"):
+        sft_file(path, tok, 8, tmp_path / "short")
+    assert list((tmp_path / "short").iterdir()) == []
+
+
+@pytest.mark.parametrize("record, error", [
+    ({"conversation": []}, "line 1: no field 'messages'"),
+    ({"messages": [{"role": "user"}]}, "line 1: message 0 must be an object with string 'role' and 'content'"),
+    ({"messages": []}, "line 1: 'messages' must be a non-empty list"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, "line 1: message 0 is the assistant's"),
+])
+def test_sft_errors_name_the_line(tok, tmp_path, record, error):
+    with pytest.raises(ValueError, match=error):
+        sft_file(write_jsonl(tmp_path / "bad.jsonl", [record]), tok, 64, tmp_path)
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        sft_example(ByteTokenizer(), [{"role": "user", "content": "hi"}])
+
+
+def test_hf_loss_with_sft_labels_is_the_mean_over_assistant_tokens(tok, tmp_path):
+    seq_len = 320
+    path = write_jsonl(tmp_path / "chat.jsonl", sft_conversations(6))
+    (ids, labels), _ = sft_rows(sft_file(path, tok, seq_len, tmp_path), seq_len, val_fraction=0)
+    ids, labels = ids[:4], labels[:4]
+    _, config = tokenizer_and_config(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=2), tok)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    out = model(input_ids=ids, labels=labels)
+    out.logits.retain_grad()
+    out.loss.backward()
+    scored = labels[:, 1:] != IGNORE_INDEX  # position t predicts token t + 1
+    per_token = F.cross_entropy(out.logits[:, :-1].reshape(-1, config.vocab_size).float(), ids[:, 1:].reshape(-1),
+                                reduction="none").view(scored.shape)
+    torch.testing.assert_close(out.loss, per_token[scored].mean())
+    assert scored.any() and (~scored).any()
+    grad = out.logits.grad.abs().sum(-1)  # (bsz, seqlen): d loss / d logits at each position
+    assert (grad[:, :-1][~scored] == 0).all() and (grad[:, -1] == 0).all()
+    assert (grad[:, :-1][scored] > 0).all()
+
+
+def test_sft_conversations_are_deterministic(tmp_path):
+    a, b = sft_conversations(200), sft_conversations(200)
+    assert a == b and len({json.dumps(c) for c in a}) == 200
+    for c in a:
+        for m in c["messages"]:
+            assert m["content"] and "::=" not in m["content"] and "\n" not in m["content"]
+    path = write_jsonl(tmp_path / "c.jsonl", a[:3])
+    assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == a[:3]
+
+
+def test_training_data_for_pretraining_and_sft(tok, text_file, tmp_path):
+    train, val = training_data(32, tok, data=text_file, directory=tmp_path)
+    assert len(train.tensors) == 1 and isinstance(train.tensors[0], TokenRows) and len(val) > 0
+    chat = write_jsonl(tmp_path / "chat.jsonl", sft_conversations(20))
+    train, val = training_data(320, tok, sft=chat, directory=tmp_path)
+    assert [t.shape for t in train.tensors] == [(18, 320)] * 2 and len(val) == 2
+    ids, labels = train[0]
+    assert ids.shape == labels.shape == (320,) and (labels == IGNORE_INDEX).any()
+    byte_train, _ = training_data(64, None, directory=tmp_path)  # the byte tokenizer on the pydoc corpus
+    assert byte_train.tensors[0][0][:4].tolist() == ByteTokenizer().encode(load_corpus()[:3])
+    with pytest.raises(ValueError, match="not both"):
+        training_data(32, tok, data=text_file, sft=chat)
