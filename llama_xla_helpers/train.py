@@ -1,7 +1,12 @@
-"""2D-sharded training of the Hugging Face Llama: meta-device init, Adafactor, a step XLA
-compiles once, evaluation, checkpoints and exact resume.
+"""2D-sharded training of the Hugging Face Llama, in a step XLA compiles once.
+
+Meta-device init; Adafactor or AdamW on a learning-rate schedule, gradient clipping and
+accumulation, all on the device; evaluation, metrics.jsonl, checkpoints and exact resume;
+pretraining text or chat SFT, with the byte tokenizer or a Hugging Face one.
 
     python -m llama_xla_helpers.train --model tiny --steps 300 --checkpoint-dir ckpt
+    python -m llama_xla_helpers.train --optimizer adamw --schedule cosine --warmup-steps 30 --clip-norm 1.0
+    python -m llama_xla_helpers.train --tokenizer TOKENIZER_DIR --sft chats.jsonl --grad-accum 2 --checkpoint-dir ckpt
 
 The same command runs on this CPU mesh and on a TPU VM or pod (every host runs it; only
 process 0 prints and writes shared files). The mesh defaults to `mesh.mesh_shape` for the
