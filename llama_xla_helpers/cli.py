@@ -1,4 +1,5 @@
-"""What the package's command lines share: a bad argument is one `error:` line and exit status 2.
+"""What the package's command lines share: a bad argument is one `error:` line and exit status 2,
+and --help gives each option's default.
 
     parser = ArgumentParser(prog="python -m llama_xla_helpers.train")
     ...
@@ -16,8 +17,29 @@ def fail(message):
     raise SystemExit(2)
 
 
+def shown_default(value):
+    """A default as a user types it: (4, 2) -> "4,2", 30.0 -> "30.0"."""
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every help line ends with its option's default, "(default: 64)", unless the line already
+    says it ("default" in the text, for a default that needs words: "default: $LLAMA_XLA_API_KEY"),
+    or there is none to show: None (the help says what leaving it out does) or a flag (off unless given)."""
+
+    def _get_help_string(self, action):
+        help, default = action.help, action.default
+        if any(default is v for v in (None, False, argparse.SUPPRESS)) or "default" in help.lower():
+            return help
+        return f"{help} (default: {shown_default(default).replace('%', '%%')})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, but a bad argument prints one line (no usage block) and exits 2."""
+    """argparse's parser, but a bad argument prints one line (no usage block) and exits 2, and
+    --help shows each option's default (HelpFormatter; subcommands' parsers get it too)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message):
         fail(f"{message} (see {self.prog} --help)")

@@ -361,7 +361,8 @@ def parse_args(argv=None):
                         help="parameters of the training and generation checks (default: "
                              "LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
     add_compile_cache_args(parser)
-    parser.add_argument("--checkpoint-dir", metavar="DIR", help="check that this host can write checkpoints there")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="check that this host can write checkpoints there "
+                                                                "(default: no such check)")
     args = parser.parse_args(argv)
     if args.compile_cache:
         try:

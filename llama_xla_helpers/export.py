@@ -405,7 +405,8 @@ def parse_args(argv=None):
 
 def add_decode_args(parser, required):
     parser.add_argument("--prompt-ids", type=int_list("1,2,3"), action="append", required=required,
-                        help="a prompt's token ids, e.g. 1,2,3; once per row of the batch (the tokens: JSON on stdout)")
+                        help="a prompt's token ids, e.g. 1,2,3; once per row of the batch (the tokens: JSON on stdout)"
+                             + ("" if required else "; default: none, export only"))
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per row (default: 16)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an input error")
 

@@ -124,6 +124,24 @@ def plot_run(rows, name="run"):
     return _finish(fig, name)
 
 
+def plot_loss_mask(pieces, counted, name="loss_mask", per_line=12):
+    """One SFT example's tokens in order, `per_line` to a row, each a box with its text: filled
+    where the loss counts it (counted[i] True: the assistant's tokens), outlined where it is
+    masked (labels IGNORE_INDEX: the prompt, the role headers, BOS)."""
+    rows = (len(pieces) + per_line - 1) // per_line
+    fig = Figure(figsize=(1.0 * per_line, 0.6 + 0.32 * rows))
+    ax = fig.subplots()
+    color = rcParams["axes.prop_cycle"].by_key()["color"][0]
+    for i, (piece, c) in enumerate(zip(pieces, counted)):
+        x, y = i % per_line, i // per_line
+        ax.add_patch(Rectangle((x + 0.03, y + 0.08), 0.94, 0.84, color=color, fill=bool(c), alpha=0.8 if c else 0.4))
+        ax.text(x + 0.5, y + 0.5, piece.replace("\n", "\\n")[:10], ha="center", va="center", fontsize=7,
+                color="white" if c else "black")
+    ax.set_xlim(0, per_line), ax.set_ylim(rows, 0), ax.axis("off")
+    ax.set_title(f"filled: in the loss ({sum(map(bool, counted))} of {len(pieces)} tokens); outlined: masked")
+    return _finish(fig, name)
+
+
 def plot_lines(series, xlabel, ylabel, title, name, log=False, marks=(), integer_y=False):
     """One line per series: series = {label: {x: y}}. `marks`: x values to draw as dotted
     vertical lines (e.g. bucket boundaries); integer_y: only whole numbers on the y axis."""

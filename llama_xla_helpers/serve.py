@@ -911,7 +911,8 @@ def parse_args(argv=None):
     parser = ArgumentParser(prog="python -m llama_xla_helpers.serve", description=__doc__.split("\n")[0])
     parser.add_argument("dir", help="a local Hugging Face folder (config.json + *.safetensors), or a training "
                                     "checkpoint (a step_XXXXXXXX folder or the folder holding them)")
-    parser.add_argument("--slots", type=bounded(1), help="requests decoded together (default 4)")
+    parser.add_argument("--slots", type=bounded(1), help="requests decoded together (default: 4, rounded up to a "
+                                                         "multiple of --mesh's data axis)")
     parser.add_argument("--max-seq-len", type=bounded(2), help="KV cache length per slot (default: the config's "
                                                                f"max_position_embeddings, at most {MAX_SEQ_LEN})")
     parser.add_argument("--max-queue", type=bounded(1), default=64, help="requests waiting for a slot before 429")
@@ -919,15 +920,16 @@ def parse_args(argv=None):
                                                       "and the model's heads)")
     parser.add_argument("--buckets", type=int_list("128,256,512"), help="prefill lengths, e.g. 128,256,512 (default: "
                                                          f"{','.join(map(str, BUCKETS))}, those up to half the cache)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=bounded(0, 65535), default=8000, help="0: any free port")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; 0.0.0.0: every interface (then pass --api-key)")
+    parser.add_argument("--port", type=bounded(0, 65535), default=8000, help="port to listen on; 0: any free port")
     parser.add_argument("--api-key", default=os.environ.get("LLAMA_XLA_API_KEY"),
                         help="every /v1 request must send 'Authorization: Bearer KEY' (default: $LLAMA_XLA_API_KEY)")
     parser.add_argument("--drain-timeout", type=bounded(0, kind=float), default=DRAIN_TIMEOUT, metavar="SECONDS",
                         help="on SIGTERM, how long the requests in flight may go on before they are cancelled")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
-                        help="default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU")
-    parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization")
+                        help="the weights' dtype (default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
+    parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization (default: none)")
     add_compile_cache_args(parser)
     parser.add_argument("--debug", action="store_true", help="tracebacks of input errors, uvicorn's request log")
     args = parser.parse_args(argv)

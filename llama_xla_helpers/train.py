@@ -82,17 +82,17 @@ class TrainConfig:
     data: str = None                  # a local UTF-8 text file or JSONL ("text" per line); default: the embedded corpus
     sft: str = None                   # JSONL chat conversations ("messages"): fine-tune on the assistant's tokens only
     tokenizer: str = None             # a local Hugging Face tokenizer folder; default: init_from's if it has one, else bytes
-    init_from: str = None             # a local Hugging Face directory to fine-tune from
-    checkpoint_dir: str = None        # a folder or gs:// URL for checkpoints and metrics.jsonl; None: none
+    init_from: str = None             # a local Hugging Face directory to fine-tune from; None: a random init (seed)
+    checkpoint_dir: str = None        # a folder or gs:// URL for checkpoints and metrics.jsonl; None: neither is written
     checkpoint_every: int = 100       # steps between checkpoints (and the last step)
     keep: int = 3                     # checkpoints kept
     resume: bool = False              # continue from the newest checkpoint in checkpoint_dir
-    eval_every: int = 0               # 0: evaluate once, at the end
+    eval_every: int = 0               # steps between held-out evaluations; 0: only the one at the end
     eval_batches: int = 8             # held-out batches per evaluation
     log_every: int = 10               # read losses back (and write metrics.jsonl) every this many steps
     gradient_checkpointing: bool = False  # recompute each decoder layer in the backward pass
     scan_layers: bool = False         # run the decoder layers through torch_xla's scan: one layer compiled, not all
-    compile_cache: str = None         # a folder keeping compiled programs across runs (runtime.init_runtime)
+    compile_cache: str = None         # a folder keeping compiled programs across runs; None: $LLAMA_XLA_COMPILE_CACHE, if set
     compile_cache_readonly: bool = False  # read compile_cache, write nothing (a cache shared by many jobs)
     progress: bool = False            # a tqdm bar with loss and tokens/s (the CLI turns it on)
 
@@ -345,9 +345,15 @@ def datasets(cfg, tokenizer=None):
     return train_set.tensors, val_set.tensors
 
 
+def hf_tokenizer(cfg):
+    """cfg's Hugging Face tokenizer (see tokenizer_path), or None for the byte tokenizer."""
+    tokenizer = get_tokenizer(tokenizer_path(cfg))
+    return None if isinstance(tokenizer, ByteTokenizer) else tokenizer
+
+
 def save_tokenizer(tokenizer, cfg):
     """Keep a Hugging Face tokenizer beside the checkpoints (process 0), where serve and export find it."""
-    if cfg.checkpoint_dir and xr.process_index() == 0 and not isinstance(tokenizer, ByteTokenizer):
+    if cfg.checkpoint_dir and xr.process_index() == 0 and tokenizer is not None:
         with tempfile.TemporaryDirectory() as local:
             tokenizer.save_pretrained(local)
             fs, folder = fsspec.core.url_to_fs(f"{str(cfg.checkpoint_dir).rstrip('/')}/{TOKENIZER_DIR}")
@@ -482,9 +488,9 @@ def train(cfg, group=None):
     resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
     if resume_from:
         _check_resume(checkpoint.read_meta(resume_from), cfg)
-    tokenizer = get_tokenizer(tokenizer_path(cfg))
+    tokenizer = hf_tokenizer(cfg)
     save_tokenizer(tokenizer, cfg)
-    train_set, val_set = datasets(cfg, None if isinstance(tokenizer, ByteTokenizer) else tokenizer)
+    train_set, val_set = datasets(cfg, tokenizer)
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
     prepare_layers(model, cfg)
     optimizer = make_optimizer(cfg, model.parameters())
@@ -647,9 +653,10 @@ def read_losses(pending, losses):
 
 
 def first_batch(cfg, mesh):
-    """The first `cfg.batch_size` sequences of cfg's training data, sharded over mesh's batch axes:
-    one fixed batch for measuring a step (profiles, compile time, compiled HLO)."""
-    train_set, _ = datasets(cfg)
+    """The first `cfg.batch_size` sequences of cfg's training data (in cfg's tokenizer; for --sft the ids
+    only), sharded over mesh's batch axes: one fixed batch for measuring a step (profiles, compile time,
+    compiled HLO)."""
+    train_set, _ = datasets(cfg, hf_tokenizer(cfg))
     [(ids, *_)] = list(sharded_loader(TensorDataset(*(t[:cfg.batch_size] for t in train_set)), cfg.batch_size, mesh))
     return ids  # (batch_size, seq_len)
 
@@ -692,10 +699,10 @@ def _parse_args(argv=None):
     """One --flag per TrainConfig field: --mesh 4,2, --steps 300, --resume, ...; and --debug."""
     parser = ArgumentParser(prog="python -m llama_xla_helpers.train", description=__doc__.split("\n")[0])
     helps = field_help()
-    for f in dataclasses.fields(TrainConfig):
-        flag, help = "--" + f.name.replace("_", "-"), f"{helps.get(f.name, '')} (default: {f.default})"
+    for f in dataclasses.fields(TrainConfig):  # the formatter adds "(default: ...)"; a None's comment says what it does
+        flag, help = "--" + f.name.replace("_", "-"), helps.get(f.name, "").replace("None: ", "default: ")
         if f.type is bool:
-            parser.add_argument(flag, action="store_true", default=f.default, help=helps.get(f.name))
+            parser.add_argument(flag, action="store_true", default=f.default, help=help)
         elif f.type is tuple:
             parser.add_argument(flag, type=mesh_arg, default=f.default, help=help)
         else:

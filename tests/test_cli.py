@@ -4,8 +4,11 @@ a finished run says so, a corrupt checkpoint is skipped loudly, SIGTERM checkpoi
 Most cases call the CLI's `main(argv)` in this process (the same code a real process runs, from
 the parsed arguments to the exit status); the exit status and the single stderr line of a real
 process, and SIGTERM, are checked with real processes."""
+import argparse
 import dataclasses
+import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import time
 import pytest
 
 from llama_xla_helpers import checkpoint, parallel
+from llama_xla_helpers import cli as cli_module
 from llama_xla_helpers.train import TrainConfig, main, train
 
 TRAIN = [sys.executable, "-m", "llama_xla_helpers.train"]
@@ -156,3 +160,59 @@ def test_reshard_cli_bad_arguments(tmp_path, args, message, capsys):
     code, _, err = cli(parallel.main, argv, capsys)
     assert one_error_line(code, err, message), err
     assert not (tmp_path / "dst").exists()
+
+
+def help_entries(text):
+    """{an argument or subcommand of a --help text (its first spelling: "--max-queue", "dir", "run"): its help},
+    read from the argument sections; a help may start on the next line and wrap over several."""
+    entries, name, section, commands = {}, None, False, ()
+    for line in text.splitlines():
+        if line in ("positional arguments:", "options:", "optional arguments:"):
+            section = True
+        elif not line.strip():
+            section = False
+        elif section:
+            indent, (first, *rest) = len(line) - len(line.lstrip()), re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            if indent == 2 or first in commands:  # a new argument, or a subcommand of the {a,b} line above it
+                name = first.split(", ")[-1].split()[0]  # "-h, --help" -> "--help"; "--slots SLOTS" -> "--slots"
+                commands = name.strip("{}").split(",") if name.startswith("{") else commands
+                entries[name] = " ".join(rest)
+            else:
+                entries[name] = f"{entries[name]} {line.strip()}".strip()
+    return entries
+
+
+def cli_help(main_fn, argv, capsys, monkeypatch):
+    """(the --help text main_fn(argv) prints, its parser): in this process, which `--help` leaves before any work."""
+    parsers = []
+    monkeypatch.setattr(cli_module.ArgumentParser, "format_help",
+                        lambda self: parsers.append(self) or argparse.ArgumentParser.format_help(self))
+    code, out, err = cli(main_fn, argv, capsys)
+    assert code == 0 and len(parsers) == 1, (code, err[-2000:])
+    return out, parsers[0]
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("train", ["--help"]), ("serve", ["--help"]), ("doctor", ["--help"]),
+    ("export", ["--help"]), ("export", ["export", "--help"]), ("export", ["run", "--help"]),
+    ("parallel", ["--help"]), ("parallel", ["reshard", "--help"]),
+])
+def test_help_has_a_line_with_its_default_for_every_option(module, argv, capsys, monkeypatch):
+    """`--help` of every CLI: each argument, option and subcommand has a help line, and each option with a
+    default to show (not None: the help says what leaving it out does; not a flag's False) names it."""
+    monkeypatch.setenv("COLUMNS", "100")  # help lines wrap, as in a terminal
+    monkeypatch.delenv("LLAMA_XLA_API_KEY", raising=False)  # serve's --api-key default; its help names the variable
+    text, parser = cli_help(importlib.import_module(f"llama_xla_helpers.{module}").main, argv, capsys, monkeypatch)
+    entries = help_entries(text)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            names = [choice.dest for choice in action._choices_actions]
+        else:
+            names = [action.option_strings[-1] if action.option_strings else action.metavar or action.dest]
+        for name in names:
+            assert entries.get(name), f"{module} {' '.join(argv)}: {name} has no help line:\n{text}"
+        if not any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            shown = ",".join(map(str, action.default)) if isinstance(action.default, (tuple, list)) \
+                else str(action.default)
+            assert re.search(rf"default:? {re.escape(shown)}(?![\w.])", entries[names[0]]), \
+                f"{module} {' '.join(argv)}: {names[0]}'s help does not give its default {shown}: {entries[names[0]]!r}"

@@ -148,6 +148,10 @@ def test_a_tokenizer_sizes_the_model_and_sft_trains_on_the_assistant_tokens(tmp_
     step = checkpoint.latest(run.checkpoint_dir)
     served = serve.read_tokenizer(run.checkpoint_dir, step, result.model.config)
     assert served.get_vocab() == tokenizer.get_vocab()
+    # A profiled step (first_batch) reads the same rows as the run: the tokenizer's ids, not bytes.
+    _, mesh, _ = setup(run)
+    (ids, _), _ = train_module.datasets(run, tokenizer)
+    assert torch.equal(first_batch(run, mesh).cpu(), ids[:run.batch_size])
 
 
 def test_a_model_and_a_tokenizer_that_do_not_fit_are_an_error_before_any_work(tmp_path):
