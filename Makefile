@@ -5,7 +5,8 @@
 # make check-variants: what CI leaves out: nbval on another instruction set and on one thread,
 #                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices
 #                      (and 05-07 on 4),
-#                      and the tests and notebooks in bf16 (what a TPU runs by default)
+#                      the tests and notebooks in bf16 (what a TPU runs by default), and the tests marked
+#                      `variants` (make test deselects them)
 # All create .venv from pyproject.toml on first use.
 PY := .venv/bin/python
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
@@ -92,8 +93,9 @@ test-devices-4:
 	$(call execute_all,outputs/devices-4,CPU_NUM_DEVICES=4,$(NOTEBOOKS_AT_4))
 test-tpu:
 	$(call execute_all,outputs/tpu)
+# Tests marked `variants` (extra bad-input launches) run in make check-variants only (variant-marked).
 $(PYTEST_PARTS): test-pytest-%:
-	$(TIMED) $(PY) -m pytest -q $(TESTS_$*)
+	$(TIMED) $(PY) -m pytest -q $(TESTS_$*) -m 'not variants'
 
 # The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS). The bf16 parts
 # run what a TPU runs by default (LLAMA_XLA_DEFAULT_DTYPE=bf16): every test and every notebook (asserts
@@ -103,7 +105,7 @@ VARIANT_NOTEBOOKS := variant-notebooks-1 variant-notebooks-16
 VARIANT_BF16_TESTS := $(PYTEST_PARTS:test-pytest-%=variant-bf16-tests-%)
 VARIANT_BF16 := variant-bf16-notebooks $(VARIANT_BF16_TESTS)
 VARIANT_PARTS := variant-one-thread variant-avx2 $(VARIANT_BF16) $(VARIANT_NOTEBOOKS) variant-notebooks-4-rest \
-	$(VARIANT_DEVICES)
+	$(VARIANT_DEVICES) variant-marked
 .PHONY: $(VARIANT_PARTS)
 
 check-variants: .venv/installed
@@ -122,17 +124,19 @@ variant-notebooks-4-rest:
 		$(filter-out $(NOTEBOOKS_AT_4),$(NOTEBOOKS)))
 $(VARIANT_DEVICES): variant-devices-%:
 	$(TIMED) CPU_NUM_DEVICES=$* $(PY) -m pytest -q -m devices tests/
+variant-marked:
+	$(TIMED) $(PY) -m pytest -q -m variants tests/
 variant-bf16-notebooks:
 	$(call execute_all,outputs/bf16,LLAMA_XLA_DEFAULT_DTYPE=bf16)
 $(VARIANT_BF16_TESTS): variant-bf16-tests-%:
-	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_$*)
+	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_$*) -m 'not variants'
 
 # One line per notebook (its seconds and the figures it wrote); the kernels' messages (Jupyter's
 # notices, XLA's C++ warnings) go to outputs/tour.log, whose tail is printed if a notebook fails.
 TOUR_LOG := outputs/tour.log
 tour: .venv/installed
 	@mkdir -p outputs/figures && : > $(TOUR_LOG)
-	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/ (about 20 minutes on a 2-core CPU)"
+	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/ (about 25 minutes on a 2-core CPU)"
 	@for nb in $(NOTEBOOKS); do start=$$(date +%s); touch outputs/.tour-start; echo "=== $$nb" >> $(TOUR_LOG); \
 		$(call notebook_env,outputs) $(EXECUTE) --log-level=ERROR --output-dir outputs $$nb >> $(TOUR_LOG) 2>&1 || \
 			{ tail -n 25 $(TOUR_LOG); echo "$$nb failed; the whole log: $(CURDIR)/$(TOUR_LOG)"; exit 1; }; \
