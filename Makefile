@@ -1,7 +1,7 @@
 # make tour:           run every notebook on this machine (the CPU stands in for a TPU slice)
 # make test:           pytest + nbval over the committed notebooks (8 devices), and notebooks 01-04
 #                      executed on 4 devices (a v4-8 / v5e-4 TPU VM's count): asserts, no output comparison.
-#                      Its six parts run two at a time (TEST_PARTS below). On a TPU VM: the TPU plan (below).
+#                      Its seven parts run two at a time (TEST_PARTS below). On a TPU VM: the TPU plan (below).
 # make check-variants: what CI leaves out: nbval on another instruction set and on one thread,
 #                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices
 #                      (and 05-07 on 4),

@@ -37,8 +37,9 @@ def table(rows, columns=None):
 def plot_mesh(mesh, name="mesh", slices=1):
     """A 1D or 2D mesh as a grid of device ids, axes labelled with the mesh axis names.
 
-    slices > 1 (a hybrid mesh whose first axis crosses the DCN): each slice's rows are framed
-    and labelled, so the slice boundary shows."""
+    slices > 1 (a hybrid mesh, slice s holding the ids s*k ... s*k + k - 1): each slice's block
+    is framed and labelled, so the slice boundary shows (rows when the DCN part is on the first
+    axis, columns when it is on the second)."""
     grid = mesh.get_logical_mesh()
     grid = grid.reshape(1, -1) if grid.ndim == 1 else grid.reshape(grid.shape[0], -1)
     names = mesh.axis_names if len(mesh.axis_names) == 2 else ("", mesh.axis_names[0])
@@ -51,12 +52,18 @@ def plot_mesh(mesh, name="mesh", slices=1):
     ax.set_ylabel(f"{names[0]} ({grid.shape[0]})" if names[0] else "")
     ax.set_xlabel(f"{names[1]} ({grid.shape[1]})")
     ax.set_title(f"mesh {tuple(mesh.mesh_shape)}" + (f", {slices} slices" if slices > 1 else ""))
-    rows = grid.shape[0] // slices
-    for s in range(slices if slices > 1 else 0):  # one frame per slice around its ICI block
-        ax.add_patch(Rectangle((-0.45, s * rows - 0.45), grid.shape[1] - 0.1, rows - 0.1, fill=False, lw=2.5))
-        ax.text(grid.shape[1] - 0.4, s * rows + (rows - 1) / 2, f" slice {s}", va="center", fontsize=11)
-    if slices > 1:
-        ax.set_xlim(-0.5, grid.shape[1] + 0.8)
+    for s in range(slices if slices > 1 else 0):  # one frame per slice around its block of the grid
+        rows, cols = np.nonzero(grid // (grid.size // slices) == s)
+        top, left, height, width = rows.min(), cols.min(), np.ptp(rows) + 1, np.ptp(cols) + 1
+        ax.add_patch(Rectangle((left - 0.45, top - 0.45), width - 0.1, height - 0.1, fill=False, lw=2.5))
+        if width == grid.shape[1]:  # a block of rows: its label on the right
+            ax.text(grid.shape[1] - 0.4, top + (height - 1) / 2, f" slice {s}", va="center", fontsize=11)
+        else:  # a block of columns: below it
+            ax.text(left + (width - 1) / 2, grid.shape[0] - 0.3, f"slice {s}", ha="center", va="top", fontsize=11)
+    if slices > 1:  # room for the labels: on the right of row blocks, below column blocks
+        rows_blocks = width == grid.shape[1]
+        ax.set_xlim(-0.5, grid.shape[1] + (0.8 if rows_blocks else -0.5))
+        ax.set_ylim(grid.shape[0] + (-0.5 if rows_blocks else 0.2), -0.5)
     return _finish(fig, name)
 
 
