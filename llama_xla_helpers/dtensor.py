@@ -178,6 +178,13 @@ def placements(spec, mesh_axes=AXES):
     return out
 
 
+def mesh_placements(spec, mesh):
+    """`placements(spec)` on the DeviceMesh `mesh`, with Replicate() on its axes of size 1. The blocks
+    are the same; torch 2.9's DTensor fails on some redistributions from a Shard over one device
+    (a (1, 1) mesh's backward: "redistribute from S(2) to P not supported yet")."""
+    return [Replicate() if mesh.size(i) == 1 else p for i, p in enumerate(placements(spec, mesh.mesh_dim_names))]
+
+
 def local_block(shape, mesh, placements):
     """This rank's block of a tensor of global `shape` under `placements`: a tuple of slices, one per dim."""
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
@@ -207,7 +214,7 @@ def shard_params(model, mesh, strategy="2d", init=None):
     for p, (n, *tied) in aliases.items():
         spec = param_spec(n, p.shape, shape, strategy)
         check_divisible(n, p.shape, spec, shape)
-        table.update(dict.fromkeys((n, *tied), placements(spec, mesh.mesh_dim_names)))
+        table.update(dict.fromkeys((n, *tied), mesh_placements(spec, mesh)))
         source = init(n, tuple(p.shape)) if p.is_meta else p.detach()
         param = nn.Parameter(to_dtensor(source, mesh, table[n], p.shape), requires_grad=p.requires_grad)
         for name in (n, *tied):
@@ -223,7 +230,7 @@ def shard_activations(model, mesh):
     """Table 2 (`sharding.ACTIVATION_SPECS`) as redistributions: a forward hook moves the output of
     the embedding, every Linear and lm_head to its placements (the attention weights' row is
     `local_attention`'s). Returns the hook handles."""
-    table = {n: placements(spec, mesh.mesh_dim_names) for n, spec in ACTIVATION_SPECS.items() if n != "attn_weights"}
+    table = {n: mesh_placements(spec, mesh) for n, spec in ACTIVATION_SPECS.items() if n != "attn_weights"}
     return [m.register_forward_hook(lambda mod, args, out, p=table[n.rsplit(".", 1)[-1]]: out.redistribute(mesh, p))
             for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in table]
 
@@ -235,14 +242,14 @@ def local_attention(module, query, key, value, attention_mask, scaling, dropout=
 
     Not op by op: its batched matmul flattens (bsz, heads), and torch 2.9 has no rule for
     flattening two dims sharded on different mesh axes (it fails instead of redistributing)."""
-    heads = placements(ACTIVATION_SPECS["attn_weights"], mesh.mesh_dim_names)  # [Shard(0), Shard(1)]
-    rows = placements(("data", None, None, None), mesh.mesh_dim_names)
+    heads = mesh_placements(ACTIVATION_SPECS["attn_weights"], mesh)  # [Shard(0), Shard(1)]
+    rows = mesh_placements(("data", None, None, None), mesh)
     q, k, v = (t.redistribute(mesh, heads).to_local() for t in (query, key, value))
     if attention_mask is not None and attention_mask.shape[0] > 1:  # plain (bsz, 1, seqlen, kv_len): our rows
         attention_mask = attention_mask[local_block(attention_mask.shape, mesh, rows)]
     out, weights = sharded_eager_attention(module, q, k, v, attention_mask, scaling, dropout,
                                            constrain_weights=lambda w: w)  # already placed
-    rows_heads = placements(("data", None, "model", None), mesh.mesh_dim_names)  # out: (bsz, seqlen, heads, head_dim)
+    rows_heads = mesh_placements(("data", None, "model", None), mesh)  # out: (bsz, seqlen, heads, head_dim)
     return DTensor.from_local(out, mesh, rows_heads), DTensor.from_local(weights, mesh, heads)
 
 
@@ -292,7 +299,7 @@ def build_model(config, mesh, strategy="2d", seed=0, init_from=None):
 
 def input_placements(mesh):
     """Token batches (bsz, seqlen): batch on 'data', sequence replicated (`sharding.INPUT_SPEC`)."""
-    return placements(INPUT_SPEC, mesh.mesh_dim_names)
+    return mesh_placements(INPUT_SPEC, mesh)
 
 
 def local_batches(dataset, batch_size, mesh, sampler=None):

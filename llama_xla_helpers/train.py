@@ -491,6 +491,10 @@ def train(cfg, group=None):
     tokenizer = hf_tokenizer(cfg)
     save_tokenizer(tokenizer, cfg)
     train_set, val_set = datasets(cfg, tokenizer)
+    if len(val_set[0]) < cfg.batch_size:  # evaluate() takes whole batches of it
+        raise ValueError(f"the held-out split has {len(val_set[0])} rows of seq_len={cfg.seq_len}, fewer than "
+                         f"batch_size={cfg.batch_size}, and evaluation needs one whole batch; use more data, a "
+                         f"smaller batch_size or a shorter seq_len")
     model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
     prepare_layers(model, cfg)
     optimizer = make_optimizer(cfg, model.parameters())

@@ -154,6 +154,14 @@ def test_a_tokenizer_sizes_the_model_and_sft_trains_on_the_assistant_tokens(tmp_
     assert torch.equal(first_batch(run, mesh).cpu(), ids[:run.batch_size])
 
 
+def test_a_held_out_split_smaller_than_a_batch_is_an_error_before_any_work(tmp_path):
+    small_tokenizer(vocab_size=500, path=tmp_path / "tok")
+    write_jsonl(tmp_path / "chats.jsonl", sft_conversations(40))  # 4 held-out rows at most
+    run = dataclasses.replace(SMALL_FP32, seq_len=256, tokenizer=str(tmp_path / "tok"), sft=str(tmp_path / "chats.jsonl"))
+    with pytest.raises(ValueError, match=r"held-out split has \d+ rows .* fewer than batch_size="):
+        train(run)
+
+
 def test_a_model_and_a_tokenizer_that_do_not_fit_are_an_error_before_any_work(tmp_path):
     """The old silent case: init_from a model with another vocabulary and no tokenizer of its own
     trained it on byte ids. Now an error, as is a tokenizer longer than the model's vocabulary."""
