@@ -44,6 +44,12 @@ Decode steps, measured REPS times each (median): the engine's step with every sl
 cache and in a 128-position one; `Generator`'s step against Hugging Face eager generate at batch
 1, 8 and 32 (32-token prompts, 64 new tokens; HF's step is (time of 64 tokens - time of 1) / 63).
 
+Prefill of requests that arrive together (TOGETHER_REPS times each after one untimed run, median): SLOTS requests of
+TOGETHER_PROMPT tokens (one section of the smallest bucket) arrive at once and each makes
+TOGETHER_NEW tokens, in an engine with prefill_rows=1 (each prompt its own one-row graph) and in
+one with the default (up to 4 in one graph); the time until every request has its first token
+and until all are done. `--prefill-only` runs this part alone and updates it in the saved JSON.
+
 Targets (the serving issue's; met or missed, as measured): engine >= 1.5x hf-cb tokens/s all at
 once and at 100% load; engine TPOT p50 <= hf-cb's at 50% load (every system keeps up with the
 arrivals there, so tokens/s is not compared); engine / static tokens/s within 10% of the
@@ -85,6 +91,7 @@ MODEL = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, inte
 SLOTS = 8
 LOADS = (0.5, 1.0)  # Poisson rates, as fractions of the engine's all-at-once requests/s
 DECODE_PROMPT = 32
+TOGETHER_PROMPT, TOGETHER_NEW, TOGETHER_REPS = 24, 16, 7  # requests arriving together: prompt, output tokens, repetitions
 HF_BATCH_TOKENS = 512  # Hugging Face continuous batching's tokens per step
 
 
@@ -366,6 +373,29 @@ def engine_steps(hf, setup):
     return rows
 
 
+def together_once(engine):
+    """(s until every request has its first token, s until all are done) for SLOTS requests at once."""
+    start = time.perf_counter()
+    reqs = [engine.submit([1 + b] * TOGETHER_PROMPT, TOGETHER_NEW) for b in range(SLOTS)]
+    while not all(r.done for r in reqs):
+        engine.step()
+    return max(r.first_token_at for r in reqs) - start, time.perf_counter() - start
+
+
+def prefill_together(hf, setup):
+    """together_once with prefill_rows 1 and the default, medians of TOGETHER_REPS after one untimed run."""
+    rows = []
+    for prefill_rows in (1, None):
+        engine = Engine(Llama.from_hf(hf, max_batch_size=SLOTS, max_seq_len=setup.max_seq_len), SLOTS, setup.buckets,
+                        on_recompile="count", prefill_rows=prefill_rows)
+        engine.warmup()
+        first, done = zip(*[together_once(engine) for _ in range(1 + TOGETHER_REPS)][1:])
+        rows.append(dict(prefill_rows=engine.row_counts[-1], first_tokens_s=float(np.median(first)),
+                         all_done_s=float(np.median(done)), compiles=engine.compiles_since_warmup))
+        print(f"prefill together: {rows[-1]}", flush=True)  # progress
+    return rows
+
+
 # --- The run --------------------------------------------------------------------------------------
 
 def patterns(n, engine_requests_per_s):
@@ -384,6 +414,7 @@ def run_all(setup, folder):
     with torch.no_grad():
         decode = decode_speed(hf, setup)  # first: HF's continuous batching starts only after a generate call
     engine_decode = engine_steps(hf, setup)
+    together = prefill_together(hf, setup)
     engine, gen = build_engine(hf, setup), build_static(hf, setup)
     with torch.no_grad():
         manager = build_hf_cb(hf, setup)
@@ -400,7 +431,7 @@ def run_all(setup, folder):
             runs += [summary("hf-cb", name, run_hf_cb(manager, work, a), work, rep) for name, a in arrivals.items()]
     manager.stop()
     compiles = dict(engine=engine.compiles_since_warmup, all=count_compiles() - compiles)
-    compiles["engine_steps"] = sum(r["compiles"] for r in engine_decode)
+    compiles["engine_steps"] = sum(r["compiles"] for r in engine_decode + together)
     model_dir(hf, folder)
     server, url = start_server(folder, setup)
     try:
@@ -412,7 +443,7 @@ def run_all(setup, folder):
         print(f"  server: {server.communicate(timeout=120)[0].strip()}")
     return dict(quick=setup is QUICK, config=setup.config.to_diff_dict(), setup=dataclasses.asdict(setup),
                 slots=SLOTS, loads=LOADS, rates_per_s=rates, decode_steps=steps, compiles_after_warmup=compiles,
-                runs=runs, decode=decode, engine_decode=engine_decode)
+                runs=runs, decode=decode, engine_decode=engine_decode, prefill_together=together)
 
 
 def ratios(result, num, den, key="tokens_per_s"):
@@ -483,6 +514,7 @@ def report(result):
                       columns))
     print(plots.table([{k: round(v, 2) for k, v in r.items()} for r in result["decode"]]))
     print(plots.table([{k: round(v, 2) for k, v in r.items()} for r in result["engine_decode"]]))
+    print(plots.table([{k: round(v, 2) for k, v in r.items()} for r in result["prefill_together"]]))
     for t in result["targets"]:
         print(f"{'met   ' if t['met'] else 'missed'}  {t['target']}: {t['measured']}")
     cache, live = result["setup"]["max_seq_len"], result["setup"]["live"]
@@ -505,9 +537,23 @@ def report(result):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 short requests, a 2-layer model; a temp folder")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="only the requests-arriving-together part, updated in the saved results/serve.json")
     args = parser.parse_args()
+    if args.quick and args.prefill_only:
+        parser.error("--prefill-only updates the full run's results/serve.json: run it without --quick")
     setup, start = QUICK if args.quick else FULL, time.perf_counter()
     out = tempfile.mkdtemp(prefix="serve-quick-") if args.quick else RESULTS
+    if args.prefill_only:
+        init_runtime(cpu_devices=1)
+        torch.manual_seed(0)
+        path = os.path.join(RESULTS, "serve.json")
+        with open(path) as f:
+            result = json.load(f)
+        result["prefill_together"] = prefill_together(LlamaForCausalLM(setup.config).eval(), setup)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        return
     os.environ["LLAMA_XLA_FIGURES"] = out  # the figures go beside the JSON
     with tempfile.TemporaryDirectory() as folder:
         result = run_all(setup, folder)

@@ -17,9 +17,12 @@ between a scheduler that plans a step within a token budget and the engine that 
 - prefill: one prompt section (left-padded to a bucket, a long prompt in several, one per
   step while the others keep decoding) into a one-row KV cache; attention reads the section's
   own positions (`Llama.forward`'s kv_len), not the whole cache. The last section picks the
-  first token, on the device;
-- insert: copy that cache row into the request's slot of the B-row cache (`index_copy` on
-  the slot dimension) and set the slot's state: last token, position, padding, sampling;
+  first token, on the device. Prompts that arrive together and fit one section of the same
+  bucket are prefilled together, up to `prefill_rows` in one graph of R rows (R a power of
+  two, or prefill_rows; a group of 3 runs as 4 rows, the last repeated): one launch instead of
+  R (benchmarks/serve.py measures the difference);
+- insert: copy those cache rows into the requests' slots of the B-row cache (`index_copy` on
+  the slot dimension) and set each slot's state: last token, position, padding, sampling;
 - decode: one token for every slot, each at its own cache position (input_pos (B, 1)),
   attention over the smallest of a few cache lengths that holds every busy slot's position
   (`scheduler.kv_buckets`); a free slot computes too, and its token is ignored.
@@ -66,7 +69,7 @@ from .generate import check_buckets, check_request, mark_replicated, replicator
 from .mesh import make_mesh
 from .metrics import count_compiles
 from .model import KVCache
-from .scheduler import Request, Scheduler, kv_buckets, prefill_sections, prefill_shapes
+from .scheduler import Request, Scheduler, kv_buckets, prefill_sections, prefill_shapes, round_up
 
 SAMPLE_TOP_K = 64  # sampling draws from at most this many of the most likely tokens
 TOP_LOGPROBS = 20  # alternatives a token's log-probabilities can list (OpenAI's limit)
@@ -127,24 +130,26 @@ def forward_logits(model, tokens, input_pos, pad, kv_len, every=False):
 
 
 def prefill_step(forward, model, pin, tokens, input_pos, pad, row, kv_len, targets=None):
-    """One prompt section: tokens (1, n) at cache slots input_pos (n,) of the one-row cache,
-    attention over its first kv_len slots. row: ints (1, 5) [last token, position, pad, seed,
-    top_k] and floats (1, 2) [temperature, top_p]. Returns the next token (1,) and its
-    `logprobs_of` (only the last section's count), and with targets (1, n) (the next prompt
-    token at each position) their `logprobs_of` each (n, ...), else None."""
+    """One prompt section of R requests: tokens (R, n) at cache slots input_pos (n,) of the
+    R-row prefill cache, attention over its first kv_len slots. row: ints (R, 5) [last token,
+    position, pad, seed, top_k] and floats (R, 2) [temperature, top_p]. Returns the next tokens
+    (R,) and their `logprobs_of` (only the last section's count), and with targets (R, n) (the
+    next prompt token at each position) their `logprobs_of` each (R, n, ...), else None."""
     ints, floats = row
     logits = forward(model, tokens, input_pos, pad, kv_len, every=targets is not None)
     prompt = None
-    if targets is not None:  # logits: (1, n, vocab_size)
-        prompt, logits = tuple(map(pin, logprobs_of(logits[0], targets[0]))), logits[:, -1]
-    first = sample_rows(logits, floats[:, 0], floats[:, 1], ints[:, 3], input_pos[-1:], ints[:, 4])  # (1,)
+    if targets is not None:  # logits: (R, n, vocab_size)
+        prompt, logits = tuple(map(pin, logprobs_of(logits, targets))), logits[:, -1]
+    pos = input_pos[-1].expand(tokens.shape[0])  # (R,): the last position, the same in every row
+    first = sample_rows(logits, floats[:, 0], floats[:, 1], ints[:, 3], pos, ints[:, 4])  # (R,)
     return pin(first), tuple(map(pin, logprobs_of(logits, first))), prompt
 
 
 def insert(decode_caches, prefill_caches, state, slot, row, first):
-    """Copy the one-row cache into slot `slot` (1,) of every layer's (B, ...) cache and set the
-    slot's state: ints (B, 5) [last token, position, pad, seed, top_k], floats (B, 2)
-    [temperature, top_p], with the prefill's first token (1,) as the last token."""
+    """Copy the R-row prefill caches into slots `slot` (R,) of every layer's (B, ...) cache and
+    set those slots' state: ints (B, 5) [last token, position, pad, seed, top_k], floats (B, 2)
+    [temperature, top_p], with the prefill's first tokens (R,) as the last tokens. A slot may
+    repeat (a padded group) only with identical rows."""
     for d, p in zip(decode_caches, prefill_caches):
         d.k_cache.index_copy_(0, slot, p.k_cache)  # (B, max_seq_len, n_kv_heads, head_dim)
         d.v_cache.index_copy_(0, slot, p.v_cache)
@@ -172,6 +177,12 @@ def decode_step(forward, model, pin, state, greedy, kv_len, max_seq_len):
     return pin(nxt), logprobs, (pin(ints), floats)
 
 
+def row_counts(prefill_rows):
+    """The prefill graphs' row counts: powers of two below prefill_rows, and prefill_rows, e.g.
+    (1, 2, 4) for 4 and (1, 2, 4, 6) for 6."""
+    return tuple(sorted({2 ** i for i in range(prefill_rows.bit_length()) if 2 ** i < prefill_rows} | {prefill_rows}))
+
+
 def entry(req, lp, i):
     """Row i of host `logprobs_of` outputs as req reports it: (log-probability, [(id, log-probability)]
     of its req.logprobs most likely tokens)."""
@@ -191,11 +202,13 @@ class Engine:
     "raise" (a `RecompileError` from `step`) or "count" (only `compiles_since_warmup`).
     budget: tokens per step (decoded tokens + prompt section positions; default: the largest
     bucket + slots). compile: torch.compile(backend="openxla") the model's forward (default: on
-    a TPU).
+    a TPU). prefill_rows: at most this many one-section prompts of the same bucket prefill in
+    one graph (default min(slots, 4); 1: each alone). Each row count in `row_counts` adds a
+    prefill graph per bucket and an insert, and a prefill cache of that many rows.
     """
 
     def __init__(self, model, slots=None, buckets=(128, 256, 384, 512), max_queue=64, eos_id=None,
-                 decode=None, on_recompile="raise", budget=None, compile=None):
+                 decode=None, on_recompile="raise", budget=None, compile=None, prefill_rows=None):
         args = model.args
         slots = args.max_batch_size if slots is None else slots
         if not isinstance(slots, int) or not 1 <= slots <= args.max_batch_size:
@@ -203,6 +216,9 @@ class Engine:
                              "build the model with max_batch_size >= slots")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue={max_queue!r} must be an int >= 1")
+        prefill_rows = min(slots, 4) if prefill_rows is None else prefill_rows
+        if not isinstance(prefill_rows, int) or not 1 <= prefill_rows <= slots:
+            raise ValueError(f"prefill_rows={prefill_rows!r} must be an int in [1, slots={slots}]")
         if on_recompile not in ("raise", "count"):
             raise ValueError(f"on_recompile={on_recompile!r} must be 'raise' or 'count'")
         check_buckets(buckets, args.max_seq_len, room=2)  # the largest prompt section and 2 new tokens fit
@@ -221,13 +237,16 @@ class Engine:
         self.max_seq_len, self.vocab_size = args.max_seq_len, args.vocab_size
         self.scheduler = Scheduler(slots, self.buckets, args.max_seq_len, budget)
         compile = xr.device_type() == "TPU" if compile is None else compile
+        self.row_counts = row_counts(prefill_rows)
         if compile:  # Dynamo traces the forward once per shape: raise its limit (8) to the engine's shapes
-            shapes = 2 * len(prefill_shapes(buckets, args.max_seq_len)) + len(kv_buckets(buckets, args.max_seq_len))
+            shapes = 2 * (len(prefill_shapes(buckets, args.max_seq_len)) + len(buckets) * (len(self.row_counts) - 1)) \
+                + len(kv_buckets(buckets, args.max_seq_len))
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
         self.forward = torch.compile(forward_logits, backend="openxla", fullgraph=True, dynamic=False) if compile \
             else forward_logits
         self.decode_caches = [layer.self_attn.kv_cache for layer in self.model.layers]
-        self.prefill_caches = [self.one_row_cache() for _ in self.model.layers]
+        self.row_caches = {r: [self.prefill_cache(r) for _ in self.model.layers] for r in self.row_counts}
+        self.prefill_caches = self.row_caches[1]  # the one-row caches: a long prompt's sections go here
         self.state = (self.put(torch.zeros(slots, 5, dtype=torch.long)), self.put(torch.ones(slots, 2)))
         self.pending = None  # the last step's device outputs, read at the next step
         self.lock = threading.RLock()  # the scheduler's queue: submit (any thread) and step
@@ -237,11 +256,11 @@ class Engine:
         self.warm = False
         self.timeline = collections.deque(maxlen=4096)  # the last decode steps: request id per slot (None: idle)
 
-    def one_row_cache(self):
-        """A (1, max_seq_len, n_kv_heads, head_dim) cache for prefill, split on heads like the model's."""
+    def prefill_cache(self, rows=1):
+        """A (rows, max_seq_len, n_kv_heads, head_dim) cache for prefill, split on heads like the model's."""
         weight, tp = self.model.embed_tokens.weight, hasattr(self.model, "mesh")
-        cache = KVCache(dataclasses.replace(self.model.args, max_batch_size=1), weight.dtype, self.device)
-        for t in (cache.k_cache, cache.v_cache):  # (1, max_seq_len, n_kv_heads, head_dim)
+        cache = KVCache(dataclasses.replace(self.model.args, max_batch_size=rows), weight.dtype, self.device)
+        for t in (cache.k_cache, cache.v_cache):  # (rows, max_seq_len, n_kv_heads, head_dim)
             xs.mark_sharding(t, self.mesh, (None, None, "model" if tp else None, None))
         return cache
 
@@ -323,20 +342,36 @@ class Engine:
         self.check_compiles(count_compiles() - compiles)
         return work or read is not None
 
+    def groups(self, prefill):
+        """The plan's prefill entries as launches: (requests, start, n, kv_len), one-section
+        prompts of the same length and echo together, up to the largest row count each."""
+        out = []
+        for req, start, n, kv_len in prefill:
+            whole = start == 0 and n == req.width  # the whole prompt in one section (else: the one-row cache)
+            head = out[-1][0][0] if out else None
+            if (whole and head and head.width == n and out[-1][1] == 0 and head.prompt_logprobs == req.prompt_logprobs
+                    and len(out[-1][0]) < self.row_counts[-1]):
+                out[-1][0].append(req)
+            else:
+                out.append(([req], start, n, kv_len))
+        return out
+
     def dispatch(self, plan):
         """Trace and launch the plan's graphs (each launch returns at once); returns their device
         outputs for `collect`: prompt log-probabilities, first tokens, decoded tokens."""
         prompts, firsts, decoded = [], [], None
-        for req, start, n, kv_len in plan.prefill:
-            first, first_lp, prompt_lp = self.prefill(req, start, n, kv_len)
+        for reqs, start, n, kv_len in self.groups(plan.prefill):
+            rows = round_up(len(reqs), self.row_counts)
+            padded = reqs + reqs[-1:] * (rows - len(reqs))  # the last request repeated: identical rows
+            first, first_lp, prompt_lp, row = self.prefill(padded, start, n, kv_len)
             if prompt_lp is not None:
-                prompts.append((req, start, n, prompt_lp))
-            if start + n == req.width:  # its last section: into its slot
-                slot = self.put(torch.tensor([req.slot]))
-                self.state = insert(self.decode_caches, self.prefill_caches, self.state, slot, req.row[:2], first)
+                prompts.append((reqs, start, n, prompt_lp))
+            if start + n == reqs[0].width:  # their last section: into their slots
+                slots = self.put(torch.tensor([r.slot for r in padded]))
+                self.state = insert(self.decode_caches, self.row_caches[rows], self.state, slots, row[:2], first)
                 self.state = tuple(self.pin(s) for s in self.state)
                 torch_xla.sync()
-                firsts.append((req, first, first_lp))
+                firsts.append((reqs, first, first_lp))
         if plan.decode:
             busy = {r.slot: r for r in plan.decode}
             greedy = all(r.temperature == 0 and r.logprobs is None for r in plan.decode)
@@ -347,22 +382,26 @@ class Engine:
             decoded = (plan.decode, nxt, lp)
         return prompts, firsts, decoded
 
-    def prefill(self, req, start, n, kv_len):
-        """Run one prompt section into the one-row cache; returns `prefill_step`'s device outputs."""
-        pad = req.width - len(req.prompt)
-        if start == 0:  # the request's sampling row (for its insert) and padding
-            req.scheduled_at = time.perf_counter()
-            ints = self.put(torch.tensor([[0, req.width, pad, req.seed, req.top_k]]))  # (1, 5)
-            req.row = (ints, self.put(torch.tensor([[req.temperature, req.top_p]])), self.put(torch.tensor([pad])))
-        padded = [0] * pad + req.prompt + [0]  # left-padded, and a stand-in after the last token
-        tokens = torch.tensor([padded[start:start + n]]).to(self.device)  # (1, n)
-        targets = self.put(torch.tensor([padded[start + 1:start + n + 1]])) if req.prompt_logprobs else None
-        self.use(self.prefill_caches)
+    def prefill(self, reqs, start, n, kv_len):
+        """Run one prompt section of each of reqs (R of them, the same section) into the R-row
+        prefill caches; returns `prefill_step`'s device outputs and the requests' sampling rows."""
+        pads = [r.width - len(r.prompt) for r in reqs]
+        if start == 0:  # the requests' sampling rows (for their insert) and padding
+            for r in reqs:
+                r.scheduled_at = time.perf_counter()
+            ints = self.put(torch.tensor([[0, r.width, pad, r.seed, r.top_k] for r, pad in zip(reqs, pads)]))  # (R, 5)
+            row = (ints, self.put(torch.tensor([[r.temperature, r.top_p] for r in reqs])), self.put(torch.tensor(pads)))
+            reqs[0].row = row  # kept for the later sections of a long prompt (R = 1)
+        row = reqs[0].row
+        padded = [[0] * pad + r.prompt + [0] for r, pad in zip(reqs, pads)]  # left-padded, a stand-in after the last token
+        tokens = torch.tensor([p[start:start + n] for p in padded]).to(self.device)  # (R, n)
+        targets = self.put(torch.tensor([p[start + 1:start + n + 1] for p in padded])) if reqs[0].prompt_logprobs else None
+        self.use(self.row_caches[len(reqs)])
         input_pos = self.put(torch.arange(start, start + n))
-        out = prefill_step(self.forward, self.model, self.pin, tokens, input_pos, req.row[2], req.row[:2], kv_len, targets)
+        out = prefill_step(self.forward, self.model, self.pin, tokens, input_pos, row[2], row[:2], kv_len, targets)
         self.use(self.decode_caches)
         torch_xla.sync()
-        return out
+        return (*out, row)
 
     def use(self, caches):
         """Point every layer's attention at these KV caches."""
@@ -371,12 +410,17 @@ class Engine:
 
     def collect(self, prompts, firsts, decoded):
         """Bring a step's outputs to the host (this waits for its graphs) and hand them to their requests."""
-        for req, start, n, lp in prompts:  # position p predicts prompt token p + 1 - pad
-            lp, pad = [t.cpu() for t in lp], req.width - len(req.prompt)
-            req.prompt_token_logprobs += [entry(req, lp, p - start) for p in range(max(start, pad), start + n)
-                                          if p < req.width - 1]
-        for req, first, lp in firsts:
-            self.emit(req, first.cpu().item(), [t.cpu() for t in lp] if req.logprobs is not None else None)
+        for reqs, start, n, lp in prompts:  # position p predicts prompt token p + 1 - pad
+            lp = [t.cpu() for t in lp]  # each (R, n, ...)
+            for i, req in enumerate(reqs):
+                pad, row = req.width - len(req.prompt), [t[i] for t in lp]
+                req.prompt_token_logprobs += [entry(req, row, p - start) for p in range(max(start, pad), start + n)
+                                              if p < req.width - 1]
+        for reqs, first, lp in firsts:
+            tokens = first.cpu().tolist()  # R tokens
+            lp = [t.cpu() for t in lp] if any(r.logprobs is not None for r in reqs) else None
+            for i, req in enumerate(reqs):
+                self.emit(req, tokens[i], lp and [t[i:i + 1] for t in lp])
         if decoded:
             reqs, nxt, lp = decoded
             tokens = nxt.cpu().tolist()  # B tokens
@@ -437,18 +481,21 @@ class Engine:
 
     def warmup(self):
         """Compile every graph: each (section, kv_len) prefill with and without prompt
-        log-probabilities, insert, and the greedy and sampling decode steps at every kv_len, twice over so the second round runs them as steps do, on the
-        outputs of earlier graphs. Returns the number of compilations."""
+        log-probabilities (one-section prompts at every row count), the insert of each row count,
+        and the greedy and sampling decode steps at every kv_len, twice over so the second round
+        runs them as steps do, on the outputs of earlier graphs. Returns the number of compilations."""
         start = count_compiles()
         req = Request([0] * self.max_seq_len, 2, top_k=1, sections=(self.max_seq_len,))  # room for any section
         for _ in range(2):
-            for n, kv_len in prefill_shapes(self.buckets, self.max_seq_len):
-                for req.prompt_logprobs in (True, False):  # a first section (kv_len == n) or a later one
-                    first = self.prefill(req, kv_len - n, n, kv_len)[0]
-            self.state = insert(self.decode_caches, self.prefill_caches, self.state, self.put(torch.tensor([0])),
-                                req.row[:2], first)
-            self.state = tuple(self.pin(s) for s in self.state)
-            torch_xla.sync()
+            for rows in self.row_counts:
+                shapes = prefill_shapes(self.buckets, self.max_seq_len) if rows == 1 else [(b, b) for b in self.buckets]
+                for n, kv_len in shapes:
+                    for req.prompt_logprobs in (True, False):  # a first section (kv_len == n) or a later one
+                        first, _, _, row = self.prefill([req] * rows, kv_len - n, n, kv_len)
+                self.state = insert(self.decode_caches, self.row_caches[rows], self.state,
+                                    self.put(torch.tensor([0] * rows)), row[:2], first)
+                self.state = tuple(self.pin(s) for s in self.state)
+                torch_xla.sync()
             for kv_len in kv_buckets(self.buckets, self.max_seq_len):
                 for greedy in (True, False):
                     out = decode_step(self.forward, self.model, self.pin, self.state, greedy, kv_len, self.max_seq_len)

@@ -103,7 +103,7 @@ def mark_replicated(model):
 
 
 def replicator(model):
-    """On a sharded model (`model.mesh`), a function that pins a 1-D or 2-D tensor to 'replicated'.
+    """On a sharded model (`model.mesh`), a function that pins a 1-D to 3-D tensor to 'replicated'.
 
     The step's inputs are replicated; pinning its outputs too gives every step the same
     input shardings (one graph) and lets the host read them without a gather.
@@ -111,7 +111,7 @@ def replicator(model):
     mesh = getattr(model, "mesh", None)
     if mesh is None:
         return lambda t: t
-    constraints = {n: Constraint("generation state", mesh, (None,) * n) for n in (1, 2)}
+    constraints = {n: Constraint("generation state", mesh, (None,) * n) for n in (1, 2, 3)}
     return lambda t: constraints[t.dim()](t)
 
 

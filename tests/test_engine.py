@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llama_xla_helpers.configs import get_config
-from llama_xla_helpers.engine import SAMPLE_TOP_K, Engine, QueueFull, RecompileError, sample_rows
+from llama_xla_helpers.engine import SAMPLE_TOP_K, Engine, QueueFull, RecompileError, row_counts, sample_rows
 from llama_xla_helpers.generate import Generator
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.metrics import count_compiles
@@ -81,6 +81,44 @@ def test_tokens_equal_generator_alone_whatever_shares_the_batch(mesh_shape):
     # A slot freed by a finished request was taken by a waiting one while others kept decoding.
     owners = {slot: [step[slot] for step in eng.timeline] for slot in range(eng.slots)}
     assert any(len(set(o) - {None}) > 1 for o in owners.values())
+
+
+def test_prompts_arriving_together_prefill_in_one_graph_and_get_what_they_get_alone():
+    """Five one-section prompts of one bucket arrive at once (a budget that admits them all): the
+    four that get slots prefill as one 4-row graph (a later group of one as a one-row graph); each
+    request's greedy and sampled tokens, log-probabilities and echoed prompt equal its own run
+    alone; a group of 3 runs as 4 rows, the last repeated; nothing compiles after warm-up."""
+    eng, short = engine(budget=200), prompts((5, 7, 9, 3, 11), seed=3)
+    assert eng.row_counts == (1, 2, 4) and row_counts(6) == (1, 2, 4, 6) and row_counts(1) == (1,)
+    launches, prefill = [], eng.prefill
+    eng.prefill = lambda reqs, *args: launches.append([r.id for r in reqs]) or prefill(reqs, *args)
+    kinds = [dict(), dict(temperature=1.0, seed=7), dict(logprobs=2, prompt_logprobs=True)]
+    alone = [[run(eng, [eng.submit(p, 8, **kind)])[0] for p in short] for kind in kinds]
+    assert all(len(ids) == 1 for ids in launches)
+    for kind, want in zip(kinds, alone):
+        launches.clear()
+        got = run(eng, [eng.submit(p, 8, **kind) for p in short])
+        assert [len(ids) for ids in launches] == [4, 1] and len(set(launches[0])) == 4
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+        for g, w in zip(got, want):
+            for a, b in zip(g.token_logprobs + g.prompt_token_logprobs, w.token_logprobs + w.prompt_token_logprobs):
+                assert a[0] == pytest.approx(b[0], abs=1e-5) and [i for i, _ in a[1]] == [i for i, _ in b[1]]
+    launches.clear()
+    got = run(eng, [eng.submit(p, 8) for p in short[:3]])
+    assert [len(ids) for ids in launches] == [4] and len(set(launches[0])) == 3  # 3 requests, 4 rows
+    assert [r.tokens for r in got] == [r.tokens for r in alone[0][:3]]
+    assert eng.compiles_since_warmup == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(slots=5), r"slots=5 must be an int in \[1, max_batch_size=4\]"),
+    (dict(prefill_rows=0), r"prefill_rows=0 must be an int in \[1, slots=4\]"),
+    (dict(prefill_rows=5), r"prefill_rows=5 must be an int in \[1, slots=4\]"),
+    (dict(max_queue=0), "max_queue=0 must be an int >= 1"),
+])
+def test_a_bad_engine_argument_is_one_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(Llama.from_hf(hf(), max_batch_size=4, max_seq_len=MAX_SEQ_LEN), **{"slots": 4, "buckets": BUCKETS, **kwargs})
 
 
 def test_a_bf16_engine_compiles_nothing_after_warmup_and_agrees_with_fp32():
