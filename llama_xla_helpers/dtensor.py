@@ -96,7 +96,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from . import checkpoint, parallel
 from .model import KVCache, Linear
-from .sharding import ACTIVATION_SPECS, INPUT_SPEC, STRATEGIES, check_divisible, param_spec, sharded_eager_attention
+from .sharding import (ACTIVATION_SPECS, INPUT_SPEC, STRATEGIES, check_divisible, param_spec, sharded_eager_attention,
+                       sizes_that_fit)
 
 AXES = ("data", "model")
 
@@ -113,11 +114,6 @@ class MeshShape:
 
     def size(self):
         return math.prod(self.sizes)
-
-
-def _fits(n, limit):
-    """Axis sizes up to `limit` that divide n, for error messages."""
-    return ", ".join(str(k) for k in range(1, limit + 1) if n % k == 0)
 
 
 def check_mesh(shape, config, world_size, strategy="2d"):
@@ -141,7 +137,7 @@ def check_mesh(shape, config, world_size, strategy="2d"):
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by the 'model' axis of size {tp} of mesh "
                              f"{tuple(shape)}: each process computes whole heads; use a mesh whose 'model' axis "
-                             f"is one of {_fits(value, tp)}" +
+                             f"is {sizes_that_fit(value, MeshShape(shape))}" +
                              (", or replicate the KV heads (parallel.replicate_kv_heads)"
                               if name == "num_key_value_heads" else ""))
     mesh = MeshShape(shape)

@@ -415,7 +415,7 @@ def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", op
             if size % model:
                 raise ValueError(f"{what}={size} is not divisible by mesh axis 'model' of size {model}, which "
                                  f"splits it in Table 2; use a mesh whose 'model' axis has size "
-                                 f"{sharding._sizes_that_fit(size, mesh)}")
+                                 f"{sharding.sizes_that_fit(size, mesh)}")
     p = TRAIN_DTYPE_BYTES[dtype]
     params = state = 0
     for name, shape in _param_shapes(config):

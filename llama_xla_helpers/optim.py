@@ -160,14 +160,12 @@ class Adafactor(torch.optim.Optimizer):
                     continue
                 g, state = p.grad.float(), self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), device=p.device)
+                    start_state(state, p, group["master_weights"])
                     if p.dim() >= 2:  # factored: one value per row and per column
                         state["row"] = torch.zeros(p.shape[:-1], device=p.device)
                         state["col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], device=p.device)
                     else:
                         state["sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    if group["master_weights"] and p.dtype != torch.float32:
-                        state["master"] = p.float()  # (same shape and sharding as p), fp32
                 state["step"] += 1
                 weight = state["step"] ** group["decay_rate"]  # 1 - beta2_t, a tensor
                 sq = g * g + eps1
@@ -184,8 +182,7 @@ class Adafactor(torch.optim.Optimizer):
                 lr = _lr(self.schedule, group, state["step"])
                 lr = lr * (self._rms(w.float()).clamp(min=eps2) if group["scale_parameter"] else 1.0)
                 w.sub_((lr * update).to(w.dtype))
-                if w is not p:
-                    p.copy_(w)  # rounded to p's dtype
+                round_to(p, w)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -234,11 +231,9 @@ class AdamW(torch.optim.Optimizer):
                     continue
                 g, state = p.grad.float(), self.state[p]  # g: p's shape, fp32
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    start_state(state, p, group["master_weights"])
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)     # m, p's shape and sharding
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)  # v
-                    if group["master_weights"] and p.dtype != torch.float32:
-                        state["master"] = p.float()
                 state["step"] += 1
                 t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
                 m.lerp_(g, 1 - beta1)
@@ -248,8 +243,22 @@ class AdamW(torch.optim.Optimizer):
                 w = state.get("master", p)  # the weight the update goes to: fp32 master, or p itself
                 w.mul_(1 - lr * group["weight_decay"])
                 w.sub_((lr / (1 - beta1 ** t) * m / denom).to(w.dtype))
-                if w is not p:
-                    p.copy_(w)  # rounded to p's dtype
+                round_to(p, w)
+
+
+def start_state(state, p, master_weights):
+    """What both optimizers keep for every parameter: the step count (a 0-d fp32 tensor, so the
+    schedule and bias corrections are computed on the device) and, with master_weights, an fp32
+    copy of a parameter that is not fp32, `state["master"]` (same shape and sharding as p)."""
+    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    if master_weights and p.dtype != torch.float32:
+        state["master"] = p.float()
+
+
+def round_to(p, w):
+    """After an update to w: if w is p's fp32 master copy, p becomes its rounding to p's dtype."""
+    if w is not p:
+        p.copy_(w)
 
 
 @torch.no_grad()

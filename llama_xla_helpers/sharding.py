@@ -83,7 +83,7 @@ def batch_spec(spec, mesh):
     return (batch_axes(mesh),) + tuple(spec[1:])
 
 
-def _sizes_that_fit(n, mesh):
+def sizes_that_fit(n, mesh):
     """Axis sizes that divide both n and the device count, for error messages."""
     return " or ".join(str(s) for s in range(1, mesh.size() + 1) if mesh.size() % s == 0 and n % s == 0)
 
@@ -95,7 +95,7 @@ def check_divisible(what, shape, spec, mesh):
         if shape[dim] % k:
             raise ValueError(f"{what}: dim {dim} of shape {tuple(shape)} is not divisible by mesh axis "
                              f"{axes!r} of size {k}; use a mesh whose {axes!r} axis has size "
-                             f"{_sizes_that_fit(shape[dim], mesh)}")
+                             f"{sizes_that_fit(shape[dim], mesh)}")
 
 
 def param_spec(name, shape, mesh, strategy="2d"):
@@ -293,7 +293,7 @@ def shard_activations(model, mesh):
         if size % axis_size(mesh, "model"):
             raise ValueError(f"{what}={size} is not divisible by mesh axis 'model' of size "
                              f"{axis_size(mesh, 'model')}, which splits it in Table 2; use a mesh whose "
-                             f"'model' axis has size {_sizes_that_fit(size, mesh)}")
+                             f"'model' axis has size {sizes_that_fit(size, mesh)}")
     constraints = {n: Constraint(f"{n} output", mesh, batch_spec(spec, mesh))
                    for n, spec in ACTIVATION_SPECS.items()}
     # Transformers looks the attention function up by name in a process-wide registry: one name

@@ -142,7 +142,7 @@ def test_bad_meshes_are_named_before_any_process_starts():
                                          r"e.g. \(1, 4\)"):
         dtensor.check_mesh((2, 4), config, 4)
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 is not divisible by the 'model' axis of size 4 .* "
-                                         r"one of 1, 2, or replicate the KV heads"):
+                                         r"is 1 or 2, or replicate the KV heads"):
         dtensor.check_mesh((1, 4), get_config("tiny", num_key_value_heads=2), 4)
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight: dim 0 of shape \(262, 128\) is not divisible by "
                                          r"mesh axis 'model' of size 4; use a mesh whose 'model' axis has size 1 or 2"):
