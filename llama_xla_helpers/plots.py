@@ -203,3 +203,52 @@ def plot_timeline(events, name="step_timeline", title="traced steps"):
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel("time (ms)"), ax.set_title(title)
     return _finish(fig, name)
+
+
+def plot_roofline(chips, points, name="roofline", title="decode steps on the roofline"):
+    """One roofline per chip, log-log: attainable FLOP/s = min(peak FLOP/s, intensity * HBM bytes/s)
+    against arithmetic intensity (FLOPs per HBM byte); chips = {chip: (peak FLOP/s, HBM bytes/s)}.
+    Each chip's ridge point (peak / bandwidth: left of it a step is memory-bound) is a dotted line.
+    points = {label: (chip, intensity, FLOP/s)}: one marker each, in its chip's colour."""
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
+    colors = [c["color"] for c in rcParams["axes.prop_cycle"]]
+    ridges = [peak / bandwidth for peak, bandwidth in chips.values()]
+    lowest = min(intensity for _, intensity, _ in points.values())
+    x = np.logspace(np.log10(lowest / 4), np.log10(max(ridges) * 4), 200)
+    for k, (chip, (peak, bandwidth)) in enumerate(chips.items()):
+        ax.plot(x, np.minimum(peak, x * bandwidth), color=colors[k % len(colors)],
+                label=f"{chip} (ridge {peak / bandwidth:.0f})")
+        ax.axvline(peak / bandwidth, color=colors[k % len(colors)], ls=":", lw=1)
+    for m, (label, (chip, intensity, flops)) in enumerate(points.items()):
+        ax.plot(intensity, flops, "osD^vPX*"[m % 8], color=colors[list(chips).index(chip) % len(colors)],
+                mec="black", ls="", ms=8, label=label)
+    ax.set_xscale("log"), ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs per HBM byte)"), ax.set_ylabel("FLOP/s per chip")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes, so it covers no line
+    return _finish(fig, name)
+
+
+def weight_blocks(t):
+    """The blocks of a 2D XLA tensor and who holds them, from its shards (sharding.device_blocks):
+    {(row start, row stop, column start, column stop): [device ids]}, in row-then-column order."""
+    holders = {}
+    for device, (r, c) in device_blocks(t):
+        holders.setdefault((r.start, r.stop, c.start, c.stop), []).append(device)
+    return {k: sorted(v) for k, v in sorted(holders.items())}
+
+
+def plot_weight_splits(tensors, name="weight_splits"):
+    """2D XLA weights side by side, tensors = {title: tensor}: each drawn to scale as the blocks its
+    devices hold (`weight_blocks`), each block labelled with the ids of the devices that hold it."""
+    fig = Figure(figsize=(3.4 * len(tensors), 5))
+    for ax, (title, t) in zip(np.atleast_1d(fig.subplots(1, len(tensors))), tensors.items()):
+        rows, cols = t.shape
+        for k, ((r0, r1, c0, c1), devices) in enumerate(weight_blocks(t).items()):
+            ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=f"C{k % 10}", alpha=0.5, edgecolor="black"))
+            ax.text((c0 + c1) / 2, (r0 + r1) / 2, ",".join(map(str, devices)), ha="center", va="center")
+        ax.set_xlim(0, cols), ax.set_ylim(rows, 0), ax.set_aspect("equal")
+        ax.set_xlabel(f"in_features ({cols})"), ax.set_ylabel(f"out_features ({rows})"), ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return _finish(fig, name)
