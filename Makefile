@@ -70,9 +70,9 @@ PYTEST_PARTS := test-pytest-a test-pytest-b test-pytest-c test-pytest-d test-pyt
 NOTEBOOKS_AT_4 := $(filter notebooks/01_% notebooks/02_% notebooks/03_% notebooks/04_%,$(NOTEBOOKS))
 
 # Each part is one process that keeps a core or more busy (XLA:CPU compiles a program on one thread),
-# so on a 2-core machine two at a time take about half the time; the longest two start first.
+# so on a 2-core machine two at a time take about half the time; the longest start first.
 # --output-sync prints each part's output whole, when it ends.
-TEST_PARTS := test-nbval test-devices-4 test-pytest-c test-pytest-d test-pytest-b test-pytest-a test-pytest-e
+TEST_PARTS := test-nbval test-devices-4 test-pytest-a test-pytest-d test-pytest-c test-pytest-b test-pytest-e
 .PHONY: $(TEST_PARTS) test-tpu
 
 ifeq ($(TPU),)
@@ -93,7 +93,8 @@ test-devices-4:
 	$(call execute_all,outputs/devices-4,CPU_NUM_DEVICES=4,$(NOTEBOOKS_AT_4))
 test-tpu:
 	$(call execute_all,outputs/tpu)
-# Tests marked `variants` (extra bad-input launches) run in make check-variants only (variant-marked).
+# Tests marked `variants` (extra bad-input launches, the serving benchmark's --quick run) run in make check-variants
+# only (variant-marked).
 $(PYTEST_PARTS): test-pytest-%:
 	$(TIMED) $(PY) -m pytest -q $(TESTS_$*) -m 'not variants'
 

@@ -1,5 +1,6 @@
 """benchmarks/serve.py --quick as a smoke test: it runs every system end to end and writes its
-report (its timings are not asserted: they belong to the full run, benchmarks/results/serve.json)."""
+report (its timings are not asserted: they belong to the full run, benchmarks/results/serve.json).
+Marked 'variants': make check-variants runs it (make test passed 40 minutes with it; DESIGN's order)."""
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.variants
 @pytest.mark.child_process
 def test_serve_benchmark_quick_runs_every_system_and_reports_every_target():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--quick"], capture_output=True,
@@ -21,5 +23,6 @@ def test_serve_benchmark_quick_runs_every_system_and_reports_every_target():
         ("engine", "all-at-once"), ("engine", "poisson-50%"), ("engine", "poisson-100%"), ("static", "all-at-once"),
         ("hf-cb", "all-at-once"), ("hf-cb", "poisson-50%"), ("hf-cb", "poisson-100%"), ("http", "all-at-once")}
     assert len(result["targets"]) == 9 and result["compiles_after_warmup"]["engine"] == 0
+    assert [r["prefill_rows"] for r in result["prefill_together"]] == [1, 4]
     assert sorted(p.name for p in out.glob("serve_*.png")) == [
         "serve_decode_step.png", "serve_engine_step.png", "serve_throughput.png", "serve_tpot.png", "serve_ttft.png"]
