@@ -402,9 +402,16 @@ def _write(state, meta, tmp, final, no_dist, lead):
 
 
 def _disk_full(e):
-    """Whether `e`, or a host's failure that DCP wrapped in it, is ENOSPC ("No space left on device")."""
-    causes = [e] + [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
-    return any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes)
+    """Whether `e`, a host's failure that DCP wrapped in it, or an error either was raised while
+    handling is ENOSPC ("No space left on device"). torch.save hides a failed write behind the zip
+    writer's own RuntimeError ("unexpected pos"), raised while it handles the OSError."""
+    errors = [e] + [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+    while errors:
+        c = errors.pop()
+        if isinstance(c, OSError) and c.errno == errno.ENOSPC:
+            return True
+        errors += [x for x in (c.__cause__, c.__context__) if x is not None]
+    return False
 
 
 def read_meta(path):

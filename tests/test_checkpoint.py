@@ -404,18 +404,22 @@ def test_a_checkpoint_saved_without_sums_still_loads(mesh, tmp_path):
         assert torch.equal(a, b.detach().cpu()), name
 
 
-def test_disk_full_during_a_save_keeps_the_previous_checkpoint(mesh, tmp_path, monkeypatch):
+@pytest.mark.parametrize("room", [0, 100])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(mesh, tmp_path, monkeypatch, room):
+    # room=0: a file's first write fails and torch.save raises the OSError; room=100: a write inside
+    # the zip's records fails and torch.save raises its own RuntimeError while handling the OSError.
     first, _, weights = two_checkpoints(mesh, tmp_path)
     checkpoint._remove(tmp_path / "step_00000002")
-    written = [0]
+    failed = []
 
-    class FillsUp:  # a file that takes 4 KiB, then the disk is full
+    class FillsUp:  # each file takes `room` bytes, then the disk is full
         def __init__(self, stream):
-            self.stream = stream
+            self.stream, self.written = stream, 0
 
         def write(self, data):
-            written[0] += len(data)
-            if written[0] > 4096:
+            self.written += len(data)
+            if self.written > room:
+                failed.append(self.written)
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.stream.write(data)
 
@@ -437,7 +441,9 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(mesh, tmp_path, m
     with pytest.raises(OSError, match=r"disk full while saving step 2 into .*; the checkpoints saved before are "
                                       r"intact\. Free space there, or keep fewer") as e:
         save(tmp_path, 2, sharded(mesh, seed=2))
-    assert e.value.errno == errno.ENOSPC and written[0] > 4096
+    host_error = next(iter(e.value.__cause__.failures.values()))[0]  # DCP's CheckpointException
+    assert e.value.errno == errno.ENOSPC and failed
+    assert type(host_error) is (OSError if room == 0 else RuntimeError), host_error
     assert sorted(os.listdir(tmp_path)) == ["step_00000001"]  # the partial save is gone
     monkeypatch.undo()
     assert latest(tmp_path) == first
