@@ -403,11 +403,17 @@ def patterns(n, engine_requests_per_s):
     return {"all-at-once": [0.0] * n} | {name: poisson(n, rate) for name, rate in rates.items()}, rates
 
 
+def seeded_model(setup):
+    """The runtime on one device (on 8 virtual devices an unsharded program runs 8 times) and the
+    benchmark's model, the same random weights at every run."""
+    init_runtime(cpu_devices=1)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(setup.config).eval()
+
+
 def run_all(setup, folder):
     """Every system on every pattern it runs, setup.reps times; returns the result dict."""
-    init_runtime(cpu_devices=1)  # one device: on 8 virtual devices an unsharded program runs 8 times
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(setup.config).eval()
+    hf = seeded_model(setup)
     work, runs = workload(setup), []
     steps = dict(zip(("engine", "static"), decode_steps(work)))
     print(f"decode steps, all at once: engine {steps['engine']}, static {steps['static']}", flush=True)
@@ -545,12 +551,10 @@ def main():
     setup, start = QUICK if args.quick else FULL, time.perf_counter()
     out = tempfile.mkdtemp(prefix="serve-quick-") if args.quick else RESULTS
     if args.prefill_only:
-        init_runtime(cpu_devices=1)
-        torch.manual_seed(0)
         path = os.path.join(RESULTS, "serve.json")
         with open(path) as f:
             result = json.load(f)
-        result["prefill_together"] = prefill_together(LlamaForCausalLM(setup.config).eval(), setup)
+        result["prefill_together"] = prefill_together(seeded_model(setup), setup)
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
         return
