@@ -82,9 +82,19 @@ else
 # The TPU plan: the process that opens the chips holds them, so one part at a time. The tests (those that
 # start a child process opening the device skip themselves), then every notebook executed: asserts, no
 # comparison with the committed outputs, which a CPU wrote (a TPU's last digits and timings differ).
+# One host only: on every host of a pod it cannot work (the tests and notebooks write checkpoints to
+# host-local folders, which the shared-checkpoint check refuses, and a skip or failure on one host leaves
+# the others waiting in a collective), so a multi-host slice, known from its type, is refused in one line.
 test: .venv/installed
+	$(if $(ONE_HOST_REFUSAL),$(error $(ONE_HOST_REFUSAL)))
 	$(TIMED) $(MAKE) --no-print-directory $(PYTEST_PARTS) test-tpu
 endif
+# The slice's host count from ACCELERATOR_TYPE / TPU_ACCELERATOR_TYPE (or the metadata server on a TPU VM):
+# runtime.multi_host_slice, as the doctor and serve read it. Empty on one host (or before .venv exists).
+ONE_HOST_REFUSAL = $(if $(wildcard $(PY)),$(shell $(PY) -c 'from llama_xla_helpers.runtime import \
+	accelerator_type, multi_host_slice; n = multi_host_slice(); n and print(f"error: {accelerator_type()} is a \
+	slice of {n} hosts and make test runs on one host; on a pod run the doctor on every host and one short \
+	training run (README: A pod)")'))
 
 # No CPU_NUM_DEVICES: init_runtime's default (8) is what the committed outputs were written with.
 test-nbval:

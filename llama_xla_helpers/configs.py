@@ -4,7 +4,8 @@
     cfg = get_config("tiny", num_key_value_heads=8)  # any LlamaConfig field can be overridden
 
 Only `tiny` is small enough to instantiate on a CPU; the others are for sizing
-(metrics.plan, metrics.flops_per_token) and for meta-device sharding demos. `llama-175b` is
+(metrics.plan, metrics.flops_per_token), for meta-device sharding demos, and (`llama3.2-1b`, the
+mid-size one) for training on a TPU. `llama-175b` is
 the hypothetical model of the LLaMA 65B latency post: "The Path to Achieve Ultra-Low Inference
 Latency With LLaMA 65B on PyTorch/XLA", PyTorch blog,
 https://pytorch.org/blog/path-achieve-low-inference-latency/
@@ -83,6 +84,18 @@ CONFIGS = {
         rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
         rope_parameters=dict(
             rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    # Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json): 1.24B parameters with the output layer tied to
+    # the embeddings, 64-wide heads, Llama 3 RoPE scaling to 128k. A mid-size model for a TPU run whose MFU
+    # means something (tiny leaves the MXU idle); on a CPU only the planner and meta-device cells build it.
+    "llama3.2-1b": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=8192,
         ),
     ),

@@ -1,17 +1,10 @@
-"""Training data: text that needs no network, tokenizers, token files read row by row, and SFT rows.
+"""Training data: text that needs no network, token files read row by row, and SFT rows.
 
 The default corpus is the Python documentation's topic texts that ship with the standard
 library (`pydoc_data.topics`, about 0.47 MB of English prose and code), so every machine has it.
 
-Tokenizers. `ByteTokenizer` (UTF-8 bytes, BOS 256, EOS 257) is for a model trained from random
-init, or one whose vocabulary is the byte tokenizer's (a config with BOS 256 and EOS 257, as
-`tiny`); any other model needs its own Hugging Face tokenizer (`get_tokenizer(folder)`).
-`tokenizer_and_config` checks the two against each other: a tokenizer with more tokens than the
-model's vocab_size is an error, and a model built from random init for a tokenizer gets
-`padded_vocab_size(len(tokenizer))`, a multiple of 64. `small_tokenizer()` trains a 512-token
-byte-level BPE with Llama 3's special tokens and chat format on the corpus, offline, in about a
-second: the same vocabulary on every run with the same Python (its pydoc topics are the corpus)
-and `tokenizers` (pinned). Tests and notebooks use it.
+Tokenizers live in tokenizer.py (`ByteTokenizer`, `get_tokenizer`, `small_tokenizer`, ...); this
+module imports them from there and still exports them under their old names (`data.ByteTokenizer`).
 
 Token files. `token_file(data, tokenizer, directory)` tokenizes the data once into
 `directory/tokens-<sha>.u32`: uint32 little-endian token ids, flat, every document as
@@ -19,9 +12,12 @@ Token files. `token_file(data, tokenizer, directory)` tokenizes the data once in
 format, so a second run (or another host) with the same inputs finds the file and tokenizes
 nothing, and any change makes a new file. Only the lead process writes (on a pod, process 0; the
 folder must be one every host sees, or a gs:// URL), into a temporary file renamed into place:
-a crash never leaves a file by that name that is not complete. Every host then reads only the
-rows it needs through np.memmap (`TokenRows`), never the whole corpus; `token_rows` holds out
-the last `val_fraction` of the rows, as `train_val_split` holds out the end of the text.
+a crash never leaves a file by that name that is not complete. The other hosts wait for the
+file (30 minutes plus a second per MiB of data; for a larger corpus, tokenize first on one host
+with `python -m llama_xla_helpers.data`). Every host then reads only the rows it needs, through
+np.memmap or, from a gs:// folder, by byte ranges (`TokenRows`), never the whole corpus;
+`token_rows` holds out the last `val_fraction` of the rows, as `train_val_split` holds out the
+end of the text.
 
 Data files: UTF-8 text (one document), or JSONL (`.jsonl`) with a string field "text" per line
 (one document a line, so documents are separated by EOS). SFT data (`sft_file`): JSONL with
@@ -29,12 +25,12 @@ Data files: UTF-8 text (one document), or JSONL (`.jsonl`) with a string field "
 the assistant's tokens. `training_data` is the one call a training loop needs.
 """
 import codecs
-import copy
 import hashlib
 import json
 import os
 import re
 import tempfile
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -43,9 +39,11 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # a folder holding a tokenizer
+from .tokenizer import (CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENIZER_FILES, VOCAB_MULTIPLE,  # noqa: F401  re-exported
+                        ByteTokenizer, check_vocab, corpus_documents, get_tokenizer, padded_vocab_size, small_tokenizer,
+                        special_ids, tokenizer_and_config, tokenizer_sha, tokenizer_size)
+
 IGNORE_INDEX = -100          # labels Hugging Face's loss skips (its CrossEntropyLoss ignore_index)
-VOCAB_MULTIPLE = 64          # a random-init model's vocab_size is rounded up to a multiple of this
 TOKEN_DTYPE = np.dtype("<u4")  # token files: uint32, little-endian
 IGNORE_U32 = 0xFFFFFFFF      # IGNORE_INDEX as stored in a .u32 file (no token has this id)
 TOKENS_FORMAT = "llama-xla tokens v1: uint32 little-endian, flat; a document is [BOS] + text + [EOS]"
@@ -57,22 +55,14 @@ BATCH_DOCS = 512             # JSONL documents (or conversations) encoded per ca
 CACHE_DIR = "llama_xla_tokens"  # under the system's temporary folder: token files without a directory
 SHARED = ("the token folder must be one that every host sees (the checkpoint_dir: a shared file "
           "system or a gs:// URL); process 0 writes the file, the others read it")
-# Llama 3's special tokens (small_tokenizer's, at ids 0-5) and its chat format, as generate.llama3_chat.
-SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                  "<|eot_id|>", "<|pad|>")
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
-                 "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-                 "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+WAIT_S = 30 * 60             # a host waits this long for process 0's token file (gloo's default timeout),
+WAIT_BYTES_PER_S = 1 << 20   # plus a second per MiB of data (tokenizing and uploading, at a slow pace)
+POLL_S = 5                   # a waiting host looks for the file this often
+TOKENIZE_FIRST = ("tokenize first, on one host: python -m llama_xla_helpers.data with the run's --checkpoint-dir, "
+                  "--tokenizer and --data (or --sft and --seq-len), then start the run on every host")
 
 
 # --- Text -------------------------------------------------------------------------------------
-
-def corpus_documents():
-    """The standard library's pydoc topic texts, one per topic, in sorted order (the default corpus)."""
-    from pydoc_data.topics import topics
-    return [topics[k] for k in sorted(topics)]
-
 
 def load_corpus(path=None):
     """The text of a local UTF-8 file, or by default the standard library's pydoc topic texts."""
@@ -90,18 +80,6 @@ def load_corpus(path=None):
 def _check_file(path, what="data file", fix="pass a UTF-8 text file"):
     if not Path(path).is_file():
         raise FileNotFoundError(f"{what} {str(path)!r} does not exist; {fix}")
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255, plus BOS (256) and EOS (257)."""
-
-    bos_id, eos_id, vocab_size = 256, 257, 258
-
-    def encode(self, text, bos=True, eos=False):
-        return [self.bos_id] * bos + list(text.encode("utf-8")) + [self.eos_id] * eos
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 def chunks(text, seq_len, tokenizer=ByteTokenizer()):
@@ -147,126 +125,7 @@ class StepSampler(torch.utils.data.Sampler):
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
 
 
-# --- Tokenizers -------------------------------------------------------------------------------
-
-def get_tokenizer(path=None):
-    """The byte tokenizer (path None), or the Hugging Face tokenizer saved in a local folder
-    (`generate.load_tokenizer`: AutoTokenizer, never the network)."""
-    if path is None:
-        return ByteTokenizer()
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"tokenizer {str(path)!r} is not a folder; pass a local folder with tokenizer.json "
-                                f"(a model's folder, or one written by tokenizer.save_pretrained)")
-    from .generate import load_tokenizer  # here: generate imports this module (and torch_xla)
-    return load_tokenizer(path)
-
-
-def tokenizer_size(tokenizer):
-    """How many ids the tokenizer can produce: the byte tokenizer's 258, or len() of a Hugging Face
-    tokenizer (its added tokens included, which `tokenizer.vocab_size` leaves out)."""
-    return ByteTokenizer.vocab_size if isinstance(tokenizer, ByteTokenizer) else len(tokenizer)
-
-
-def special_ids(tokenizer):
-    """(BOS id or None, EOS id, pad id): the pad is the tokenizer's, else its EOS (padding is
-    never attended to by the tokens before it, and its labels are IGNORE_INDEX)."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return ByteTokenizer.bos_id, ByteTokenizer.eos_id, ByteTokenizer.eos_id
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token, which "
-                         f"ends every document; set tokenizer.eos_token (and save it) first")
-    pad = tokenizer.pad_token_id
-    return tokenizer.bos_token_id, eos, eos if pad is None else pad
-
-
-def padded_vocab_size(n, multiple=VOCAB_MULTIPLE):
-    """n rounded up to a multiple of `multiple` (64): the vocab_size of a random-init model for a
-    tokenizer of n tokens, so that every mesh axis up to 64 divides the embedding's rows."""
-    return -(-n // multiple) * multiple
-
-
-def check_vocab(tokenizer, vocab_size):
-    """ValueError unless every id of the tokenizer is a row of the model's embedding."""
-    n = tokenizer_size(tokenizer)
-    if n > vocab_size:
-        raise ValueError(f"the tokenizer has {n} tokens but the model's vocab_size is {vocab_size}: ids "
-                         f"{vocab_size}..{n - 1} have no embedding row. Use the model's own tokenizer, or "
-                         f"train a model from random init sized for this tokenizer (no init_from: its "
-                         f"vocab_size becomes padded_vocab_size({n}) = {padded_vocab_size(n)})")
-
-
-def tokenizer_and_config(config, tokenizer=None, pretrained=False):
-    """(tokenizer, LlamaConfig to build) for training, checked against each other.
-
-    tokenizer: a folder (or a loaded tokenizer); None: the byte tokenizer. pretrained: `config` is
-    that of existing weights (init_from), which must already fit the tokenizer; else the model
-    is built from random init, so a Hugging Face tokenizer sizes it: vocab_size =
-    padded_vocab_size(len(tokenizer)), bos/eos/pad ids the tokenizer's (a copy; `config` is
-    not changed). The byte tokenizer goes with pretrained weights only if the config's BOS and
-    EOS are the byte tokenizer's (256, 257: a model trained with it).
-    """
-    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = get_tokenizer(tokenizer)
-    byte = isinstance(tokenizer, ByteTokenizer)
-    if byte and pretrained and (config.bos_token_id, config.eos_token_id) != (ByteTokenizer.bos_id,
-                                                                              ByteTokenizer.eos_id):
-        raise ValueError(f"the model to fine-tune was not trained with the byte tokenizer (its bos_token_id="
-                         f"{config.bos_token_id}, eos_token_id={config.eos_token_id}, vocab_size="
-                         f"{config.vocab_size}; the byte tokenizer's BOS and EOS are 256 and 257): pass the "
-                         f"model's own tokenizer, e.g. --tokenizer with the init_from folder")
-    if byte or pretrained:
-        check_vocab(tokenizer, config.vocab_size)
-        return tokenizer, config
-    bos, eos, _ = special_ids(tokenizer)
-    config = copy.deepcopy(config)
-    config.vocab_size = padded_vocab_size(tokenizer_size(tokenizer))
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = bos, eos, tokenizer.pad_token_id
-    return tokenizer, config
-
-
-def tokenizer_sha(tokenizer, chat=False):
-    """sha256 of what decides a tokenizer's ids: the byte tokenizer's version, or a Hugging Face
-    tokenizer's whole backend as JSON (`backend_tokenizer.to_str()`: vocabulary, merges, added
-    tokens, normalizer, pre-tokenizer; what tokenizer.json holds, also for a tokenizer that was
-    never saved) with its BOS/EOS/pad ids; with `chat`, its chat template too."""
-    if isinstance(tokenizer, ByteTokenizer):
-        what = {"byte": ByteTokenizer.vocab_size}
-    else:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        what = {"backend": backend.to_str() if backend is not None else  # a tokenizer without tokenizer.json
-                [type(tokenizer).__name__, sorted(tokenizer.get_vocab().items())],
-                "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]}
-    if chat:
-        what["chat_template"] = getattr(tokenizer, "chat_template", None)
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-
-
-def small_tokenizer(vocab_size=512, path=None):
-    """A byte-level BPE tokenizer of `vocab_size` tokens trained on the pydoc corpus, offline.
-
-    A `transformers.PreTrainedTokenizerFast` with Llama 3's special tokens (ids 0-5: BOS
-    <|begin_of_text|>, EOS <|eot_id|>, pad <|pad|>, the role headers) and a Llama-3-like chat
-    template (the prompt `generate.llama3_chat` writes); encode() adds BOS. The 256 byte tokens
-    are all in it, so it encodes any text. Deterministic: the same vocabulary every run, for a
-    given Python (whose pydoc topics it learns from) and `tokenizers` version (pinned in
-    pyproject.toml). Saved to `path` if given.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    core.train_from_iterator(corpus_documents(), trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-                                  pad_token="<|pad|>", add_bos_token=True, chat_template=CHAT_TEMPLATE)
-    if path is not None:
-        tok.save_pretrained(path)
-    return tok
-
+# --- Documents as a token file holds them -----------------------------------------------------
 
 def _encode_plain(tokenizer, texts):
     """Token ids of each text without special tokens, as uint32 arrays."""
@@ -458,49 +317,61 @@ def _is_url(path):
     return "://" in str(path)
 
 
-def _place(directory, name, write, lead, barrier):
-    """The local path of `directory/name`, written by `write(path)` on the lead process if it is
-    missing. directory None: the system's temporary folder, written by every process for itself.
-    A URL (gs://...): the lead uploads the file (an object appears whole or not at all) and every
-    host reads its own local copy (downloaded once, to the temporary folder)."""
-    cache = Path(tempfile.gettempdir()) / CACHE_DIR
+def wait_seconds(data):
+    """How long a host other than the lead waits for the lead's file of `data` (None: the corpus):
+    WAIT_S, plus a second per WAIT_BYTES_PER_S bytes of the data file."""
+    return WAIT_S + (0 if data is None else os.path.getsize(data) / WAIT_BYTES_PER_S)
+
+
+def _wait_for(there, where, wait):
+    """Return once there() is true, looking every POLL_S seconds; FileNotFoundError after `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while not there():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise FileNotFoundError(f"{where} does not exist on this host after {wait:.0f} s of waiting for process "
+                                    f"0 to write it: {SHARED}. If process 0 is still tokenizing (a large corpus), "
+                                    f"{TOKENIZE_FIRST}")
+        time.sleep(min(POLL_S, left))
+
+
+def _place(directory, name, write, lead, wait):
+    """The path of `directory/name`, written by `write(local path)` on the lead process if it is
+    missing; any other process waits up to `wait` seconds for it to appear (`_wait_for`).
+    directory None: the system's temporary folder, written by every process for itself.
+    A URL (gs://...): the lead writes the file locally (to the temporary folder) and uploads it
+    (an object appears whole or not at all); every host gets the URL, which `TokenRows` reads
+    by byte ranges: nothing downloads the whole file."""
     if directory is None:
-        directory, lead = cache, True
+        directory, lead = Path(tempfile.gettempdir()) / CACHE_DIR, True
+    wait = 0 if lead else wait
     if not _is_url(directory):
         final = Path(directory) / name
         if lead and not final.is_file():
             write(final)
-        if barrier is not None:
-            barrier()
-        if not final.is_file():
-            raise FileNotFoundError(f"{final} does not exist on this host: {SHARED}")
+        _wait_for(final.is_file, final, wait)
         return final
     import fsspec
     fs, root = fsspec.core.url_to_fs(str(directory))
-    remote, local = f"{root.rstrip('/')}/{name}", cache / name
-    fs.invalidate_cache()
-    if lead and not fs.exists(remote):
+    remote, local = f"{root.rstrip('/')}/{name}", Path(tempfile.gettempdir()) / CACHE_DIR / name
+
+    def there():
+        fs.invalidate_cache()  # a listing cached before the lead's upload
+        return fs.exists(remote)
+    if lead and not there():
         if not local.is_file():
             write(local)
         fs.put_file(f"{local}.json", f"{remote}.json")
         fs.put_file(str(local), remote)  # last: the data file is there only complete
-    if barrier is not None:
-        barrier()
-    if not local.is_file():
-        fs.invalidate_cache()
-        if not fs.exists(remote):
-            raise FileNotFoundError(f"{directory}/{name} does not exist: {SHARED}")
-        cache.mkdir(parents=True, exist_ok=True)
-        for suffix in (".json", ""):
-            tmp = cache / f".{name}{suffix}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-            fs.get_file(remote + suffix, str(tmp))
-            os.replace(tmp, f"{local}{suffix}")
-    return local
+    url = f"{str(directory).rstrip('/')}/{name}"
+    _wait_for(there, url, wait)
+    return url
 
 
-def token_file(data, tokenizer, directory=None, *, lead=True, barrier=None, piece_chars=PIECE_CHARS):
-    """The local path of the token file of `data` (None: the pydoc corpus; a UTF-8 text file; a
-    .jsonl file with "text" per line), tokenized once into `directory/tokens-<sha>.u32`.
+def token_file(data, tokenizer, directory=None, *, lead=True, wait=None, piece_chars=PIECE_CHARS):
+    """The path (for a gs:// directory, its URL) of the token file of `data` (None: the pydoc
+    corpus; a UTF-8 text file; a .jsonl file with "text" per line), tokenized once into
+    `directory/tokens-<sha>.u32`.
 
     Every document is [BOS] + its ids + [EOS] (BOS if the tokenizer has one), documents in the
     file's order. A text file is one document, encoded in pieces of at most `piece_chars` cut
@@ -513,9 +384,11 @@ def token_file(data, tokenizer, directory=None, *, lead=True, barrier=None, piec
     cannot reuse stale ones; hashing reads the file once, far cheaper than tokenizing it), the
     tokenizer (`tokenizer_sha`), `piece_chars` and the format (TOKENS_FORMAT). If the file is
     there it is used as it is. lead: this process writes a missing file (on a pod: process 0
-    only, then `barrier()` before any host reads it); directory None: a folder under the
-    system's temporary folder, which every process writes for itself. Its meta (source, counts)
-    is next to it, in tokens-<sha>.u32.json.
+    only); any other waits for it to appear, up to `wait` seconds (None: `wait_seconds(data)`,
+    30 minutes plus a second per MiB of data), then fails with an error that says how to
+    tokenize first (`python -m llama_xla_helpers.data`, on one host). directory None: a folder
+    under the system's temporary folder, which every process writes for itself. Its meta
+    (source, counts) is next to it, in tokens-<sha>.u32.json.
     """
     if data is not None:
         _check_file(data, fix="pass a UTF-8 text file or a JSONL file (.jsonl) with a 'text' field per line")
@@ -524,17 +397,20 @@ def token_file(data, tokenizer, directory=None, *, lead=True, barrier=None, piec
     meta = {"format": TOKENS_FORMAT, "data": str(data) if data is not None else "pydoc_data.topics",
             "tokenizer_sha256": tok_sha}
     write = lambda path: _write_atomic(path, _token_arrays(data, tokenizer, piece_chars), meta)  # noqa: E731
-    return _place(directory, name, write, lead, barrier)
+    return _place(directory, name, write, lead, wait_seconds(data) if wait is None else wait)
 
 
 def file_meta(path):
     """The meta written next to a token or SFT file (its token count; for SFT, what was dropped)."""
-    return json.loads(Path(f"{path}.json").read_text())
+    import fsspec
+    with fsspec.open(f"{path}.json", "r", encoding="utf-8") as f:  # a local path or a URL
+        return json.load(f)
 
 
 class TokenRows:
-    """Rows of `seq_len` token ids of a .u32 file, read through np.memmap: indexing reads only the
-    rows indexed, as int64 tensors, so no host holds the whole file in memory.
+    """Rows of `seq_len` token ids of a .u32 file, read through np.memmap (a URL, gs://: by one
+    byte range per row, through fsspec): indexing reads only the rows indexed, as int64 tensors,
+    so no host holds or downloads the whole file.
 
     Rows start_row .. start_row + n_rows (default: to the end) of the file seen as rows of `stride`
     ids (default seq_len; the tail that does not fill a row is left out), columns column ..
@@ -552,21 +428,43 @@ class TokenRows:
         stride = stride or seq_len
         if seq_len < 1 or column < 0 or column + seq_len > stride:
             raise ValueError(f"columns {column}..{column + seq_len} do not fit in rows of stride {stride}")
-        total = os.path.getsize(path) // (TOKEN_DTYPE.itemsize * stride)
+        self.path, self.seq_len, self.stride, self.column = str(path), seq_len, stride, column
+        self._open()
+        total = self._size // (TOKEN_DTYPE.itemsize * stride)
         n_rows = total - start_row if n_rows is None else n_rows
         if start_row < 0 or n_rows < 0 or start_row + n_rows > total:
             raise ValueError(f"rows {start_row}..{start_row + n_rows} are not all in {path}, which holds {total} "
                              f"rows of {stride} tokens")
-        self.path, self.seq_len, self.start_row, self.n_rows = str(path), seq_len, start_row, n_rows
-        self.stride, self.column, self.total = stride, column, total
-        self._open()
+        self.start_row, self.n_rows, self.total = start_row, n_rows, total
 
     def _open(self):
-        self._array = (np.memmap(self.path, TOKEN_DTYPE, "r", shape=(self.total, self.stride)) if self.total
+        """A local file: its size and np.memmap. A URL: its size and file system (`_read`)."""
+        self._array = None
+        if _is_url(self.path):
+            import fsspec
+            self._fs, self._remote = fsspec.core.url_to_fs(self.path)
+            self._size = self._fs.size(self._remote)
+            return
+        self._size = os.path.getsize(self.path)
+        rows = self._size // (TOKEN_DTYPE.itemsize * self.stride)
+        self._array = (np.memmap(self.path, TOKEN_DTYPE, "r", shape=(rows, self.stride)) if rows
                        else np.zeros((0, self.stride), TOKEN_DTYPE))
 
+    def _read(self, rows):
+        """The file's `rows` (an int, a slice of step 1 or an index array), columns column..column +
+        seq_len, as uint32: through the memmap, or from a URL one byte range per row, all in one
+        `cat_ranges` call (gcsfs sends the ranged reads concurrently)."""
+        if self._array is not None:
+            return self._array[rows, self.column:self.column + self.seq_len]
+        index = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else np.atleast_1d(rows)
+        starts = (index * self.stride + self.column) * TOKEN_DTYPE.itemsize
+        ends = starts + self.seq_len * TOKEN_DTYPE.itemsize
+        blobs = self._fs.cat_ranges([self._remote] * len(index), starts.tolist(), ends.tolist(), on_error="raise")
+        block = np.frombuffer(b"".join(blobs), TOKEN_DTYPE).reshape(len(index), self.seq_len)
+        return block[0] if isinstance(rows, (int, np.integer)) else block
+
     def __getstate__(self):  # a DataLoader worker reopens the file; it does not copy the rows
-        return {k: v for k, v in self.__dict__.items() if k != "_array"}
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -623,7 +521,7 @@ class TokenRows:
             if len(index) > 2:
                 raise IndexError(f"too many indices for rows of shape {tuple(self.shape)}: {len(index)}")
             index, columns = index if len(index) == 2 else (index[0], None)
-        block = self._array[self._file_rows(index), self.column:self.column + self.seq_len].astype(np.int64)
+        block = self._read(self._file_rows(index)).astype(np.int64)
         block[block == IGNORE_U32] = IGNORE_INDEX
         out = torch.from_numpy(block)
         if columns is None:
@@ -738,10 +636,10 @@ def _sft_rows(data, tokenizer, seq_len, long, stats):
             yield np.concatenate(rows)
 
 
-def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", lead=True, barrier=None):
-    """The local path of the SFT rows of a JSONL file of conversations ("messages": [{"role",
+def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", lead=True, wait=None):
+    """The path (or URL) of the SFT rows of a JSONL file of conversations ("messages": [{"role",
     "content"}, ...] per line), written once to `directory/sft-<sha>.u32` as `token_file` writes
-    (same atomic write, lead / barrier and folder rules; <sha> also covers the chat template,
+    (same atomic write, lead / wait and folder rules; <sha> also covers the chat template,
     seq_len and `long`). Each conversation is one row (`sft_example`), right-padded to seq_len
     with the pad id (labels IGNORE_INDEX; causal attention keeps the real tokens from seeing the
     padding, so no attention mask is needed). Read it with `sft_rows`.
@@ -783,7 +681,7 @@ def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", lead=True
                           f"longest has {stats['longest']}); pass a larger seq_len"
                           + (" or long='truncate'" if long == "drop" else ""), stacklevel=4)
 
-    return _place(directory, name, write, lead, barrier)
+    return _place(directory, name, write, lead, wait_seconds(data) if wait is None else wait)
 
 
 def _then(iterable, done):
@@ -804,7 +702,7 @@ def sft_rows(path, seq_len, val_fraction=0.1):
 # --- Everything a training loop needs ---------------------------------------------------------
 
 def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, *, val_fraction=0.1,
-                  lead=True, barrier=None, long="drop"):
+                  lead=True, wait=None, long="drop"):
     """(train, val) TensorDatasets of TokenRows for `sharded_loader`.
 
     Pretraining (data: None for the pydoc corpus, a text file or a .jsonl file): each dataset
@@ -812,7 +710,7 @@ def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, 
     conversations; not with data): two, (ids, labels), to pass as model(input_ids=ids,
     labels=labels). tokenizer: a loaded one, a folder, or None for the byte tokenizer.
     directory: where the token file goes (the checkpoint_dir; None: a temporary folder).
-    lead, barrier: on a pod, process 0 writes and every host waits at barrier() before reading.
+    lead, wait: on a pod, process 0 writes (lead) and the others wait for its file (`token_file`).
     """
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = get_tokenizer(tokenizer)
@@ -820,9 +718,9 @@ def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, 
         if data is not None:
             raise ValueError("pass data (pretraining text) or sft (conversations), not both")
         (ids, labels), (val_ids, val_labels) = sft_rows(
-            sft_file(sft, tokenizer, seq_len, directory, long=long, lead=lead, barrier=barrier), seq_len, val_fraction)
+            sft_file(sft, tokenizer, seq_len, directory, long=long, lead=lead, wait=wait), seq_len, val_fraction)
         return TensorDataset(ids, labels), TensorDataset(val_ids, val_labels)
-    train, val = token_rows(token_file(data, tokenizer, directory, lead=lead, barrier=barrier), seq_len, val_fraction)
+    train, val = token_rows(token_file(data, tokenizer, directory, lead=lead, wait=wait), seq_len, val_fraction)
     return TensorDataset(train), TensorDataset(val)
 
 
@@ -871,3 +769,34 @@ def write_jsonl(path, records):
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     return path
+
+
+# --- Command line: tokenize before a pod's run ------------------------------------------------
+
+def main(argv=None):
+    """`python -m llama_xla_helpers.data --checkpoint-dir DIR [--tokenizer T] [--data F | --sft F --seq-len N]`:
+    write the token (or SFT) file a run with these flags reads, on this host alone, and print its path."""
+    from .cli import ArgumentParser, user_errors
+    parser = ArgumentParser(prog="python -m llama_xla_helpers.data",
+                            description="Tokenize a run's data into its checkpoint folder before the run (on a pod: "
+                                        "on one host, so that no host waits for process 0 to tokenize).")
+    parser.add_argument("--checkpoint-dir", required=True, help="the run's --checkpoint-dir (gs:// or shared)")
+    parser.add_argument("--tokenizer", help="the run's tokenizer folder: its --tokenizer, or its --init-from folder "
+                                            "if that holds the tokenizer (default: the byte tokenizer)")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--data", help="the run's --data: a UTF-8 text file or a .jsonl file (default: the pydoc corpus)")
+    what.add_argument("--sft", help="the run's --sft: a JSONL file of conversations (needs --seq-len)")
+    parser.add_argument("--seq-len", type=int, help="the run's --seq-len (--sft only: an SFT row is seq_len long)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an input error")
+    args = parser.parse_args(argv)
+    if args.sft and args.seq_len is None:
+        parser.error("--sft needs the run's --seq-len")
+    with user_errors(args.debug):
+        tokenizer = get_tokenizer(args.tokenizer)
+        path = (sft_file(args.sft, tokenizer, args.seq_len, args.checkpoint_dir) if args.sft
+                else token_file(args.data, tokenizer, args.checkpoint_dir))
+    print(f"{path}: {file_meta(path)['tokens']:,} tokens")
+
+
+if __name__ == "__main__":
+    main()

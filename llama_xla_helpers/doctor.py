@@ -25,8 +25,10 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
+from torch_xla.experimental.scan import scan
 from transformers import LlamaForCausalLM
 
+from . import runtime
 from .cli import ArgumentParser, add_compile_cache_args
 from .configs import get_config
 from .generate import Generator
@@ -34,9 +36,9 @@ from .mesh import make_mesh, mesh_shape
 from .metrics import HBM_BANDWIDTH, PEAK_FLOPS
 from .model import Llama
 from .parallel import replicate_kv_heads, shard_for_inference
-from .runtime import (COMPILE_CACHE_VAR, accelerator_type, cache_skip_reason, check_cache_dir, chip,
+from .runtime import (COMPILE_CACHE_VAR, OVERLAP_FLAGS, accelerator_type, cache_skip_reason, check_cache_dir, chip,
                       compile_cache_counters, compile_cache_dir, compile_cache_summary, default_dtype, init_runtime,
-                      tpu_chips_present, tpu_hosts)
+                      multi_host_slice, tpu_chips_present)
 from .sharding import to_sharded
 from .train import DTYPES, TrainConfig, train
 
@@ -139,26 +141,22 @@ def check_versions(args, found=None):
     return line
 
 
-# Flags that let XLA overlap collectives with compute on a TPU, as the public PyTorch/XLA training recipes
-# set them in LIBTPU_INIT_ARGS (the github.com/gclouduniverse/reproducibility recipes: Training/TPU-v5p/
-# Mixtral-8x7B-PyTorch/env.sh for v5p, Training/TPU-Trillium/Llama3-70B-PyTorch/env.sh for v6e). No
-# recipe there covers v4 or v5e with PyTorch; the same flags are libtpu's, untested on those here.
-OVERLAP_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
-                 "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
-                 "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
-                 "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
-RECIPES = {"tpu-v5p": "the v5p Mixtral-8x7B recipe", "tpu-v6e": "the Trillium Llama 3 70B recipe"}
+RECIPES = {"tpu-v5p": "the v5p Mixtral-8x7B recipe's", "tpu-v6e": "the Trillium Llama 3 70B recipe's"}
 
 
 def check_libtpu_flags(args):
-    """LIBTPU_INIT_ARGS in effect, and what the recipes set for this TPU to overlap collectives."""
+    """LIBTPU_INIT_ARGS in effect, and whether init_runtime added the recipes' overlap flags
+    (runtime.OVERLAP_FLAGS) or kept the user's value."""
     now = f"LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS')!r}" if "LIBTPU_INIT_ARGS" in os.environ else \
         "LIBTPU_INIT_ARGS unset"
     if xr.device_type() != "TPU":
         return f"{now} (libtpu reads it; this is not a TPU)"
     tpu = chip()
-    source = RECIPES.get(tpu, f"no public PyTorch recipe for {tpu or 'this TPU'}; the recipes' flags")
-    return f"{now}; to overlap collectives with compute ({source}): LIBTPU_INIT_ARGS='{OVERLAP_FLAGS}'"
+    source = RECIPES.get(tpu, f"no public PyTorch recipe for {tpu or 'this TPU'}; the v5p and v6e recipes'")
+    if runtime.USER_LIBTPU_INIT_ARGS is None:
+        return f"{now}: init_runtime added the flags that overlap collectives with compute ({source})"
+    return (f"{now}: yours, kept; init_runtime adds the flags that overlap collectives with compute ({source}) "
+            f"only when it is unset: '{OVERLAP_FLAGS}'")
 
 
 def check_checkpoint_dir(args):
@@ -256,10 +254,28 @@ def seconds_per_run(fn, runs):
     return (time.perf_counter() - start) / runs
 
 
+def one_pass(x, _):
+    """One pass over x (read it, write 1 - x): a step of `memory_passes`' loop."""
+    return 1 - x, None
+
+
+def memory_passes(x, passes):
+    """x after `passes` dependent passes (each reads and writes all of it), as one graph: the first
+    pass, then a compiled loop (scan: XLA's while) of the others. A loop, not ops in a row: XLA fuses
+    a chain of elementwise ops into one pass over memory (an optimization barrier between them does not
+    stop XLA:CPU), and it cannot fuse one iteration of a loop with the next."""
+    with torch.no_grad():
+        return scan(one_pass, 1 - x, torch.zeros(passes - 1, device=x.device), is_fn_pure=True)[0]
+
+
 def check_speed(args):
-    """Matmul FLOP/s and memory GB/s per device, against the chip's published peaks on a TPU."""
+    """Matmul FLOP/s and memory GB/s per device, against the chip's published peaks on a TPU.
+
+    Each run is one graph, one dispatch, timed after a warm-up run: the memory measure covers
+    `passes` passes over its buffer in that graph: on v5p / v6e one pass alone takes about as long as
+    a dispatch (a pass over 256 MiB moves 512 MiB: 0.2 ms at v5p's 2.8 TB/s)."""
     n, on_tpu = xr.global_runtime_device_count(), xr.device_type() == "TPU"
-    name, m, elems = ("bf16", 8192, 2**27) if on_tpu else ("fp32", 512, 2**22)
+    name, m, elems, passes = ("bf16", 8192, 2**27, 32) if on_tpu else ("fp32", 512, 2**22, 8)
     dtype, device, mesh = DTYPES[name], torch_xla.device(), make_mesh((n,), ("data",))
     a = torch.randn(n * m, m, dtype=dtype, device=device)  # (n*m, m): m rows per device
     b = torch.randn(m, m, dtype=dtype, device=device)
@@ -269,7 +285,8 @@ def check_speed(args):
     xs.mark_sharding(x, mesh, ("data",))
     torch_xla.sync()
     flops = 2 * m**3 / seconds_per_run(lambda: a @ b, runs=10)
-    bandwidth = 2 * elems * x.element_size() / seconds_per_run(lambda: x * 2, runs=10)  # read x, write x * 2
+    seconds = seconds_per_run(lambda: memory_passes(x, passes), runs=5 if on_tpu else 2)
+    bandwidth = 2 * passes * elems * x.element_size() / seconds  # each pass reads x and writes it
     measured = f"matmul {flops / 1e12:.3g} TFLOP/s, memory {bandwidth / 1e9:.3g} GB/s"
     if not on_tpu:
         return f"{measured} per device ({name}; a CPU has no published peak to compare with)"
@@ -378,13 +395,10 @@ def parse_args(argv=None):
 def multi_host_note():
     """On one host of a multi-host slice, the line to print before the runtime starts (it waits for
     every host there, forever if they do not all run it); None elsewhere. Known from the TPU type."""
-    if not tpu_chips_present():
+    hosts = multi_host_slice() if tpu_chips_present() else None
+    if hosts is None:
         return None
-    accelerator = accelerator_type()
-    hosts = tpu_hosts(accelerator)
-    if not hosts or hosts < 2:
-        return None
-    return (f"{accelerator} has {hosts} hosts: the TPU runtime starts only once the doctor runs on every one of "
+    return (f"{accelerator_type()} has {hosts} hosts: the TPU runtime starts only once the doctor runs on every one of "
             f"them, so run it on all at once (gcloud compute tpus tpu-vm ssh NAME --worker=all --command "
             f"'... python -m llama_xla_helpers.doctor'); on this host alone it waits forever")
 

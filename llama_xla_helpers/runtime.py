@@ -7,6 +7,10 @@ device query or tensor), so `init_runtime()` must run before any of that.
     chip()                  # "tpu-v5e": a key of metrics.PEAK_FLOPS, or None on a CPU
     init_runtime(cache_dir="xla-cache")  # compiled programs kept on disk across restarts
 
+On a TPU, `init_runtime` also sets what libtpu reads when the runtime starts (`tpu_env`): the public
+recipes' flags that overlap collectives with compute (OVERLAP_FLAGS), unless LIBTPU_INIT_ARGS is set
+already (even empty: then yours is kept), and libtpu's verbose stderr only for an HLO dump.
+
 The persistent compilation cache (`cache_dir`, or the LLAMA_XLA_COMPILE_CACHE variable) must
 be set up before the first compilation, which `init_runtime` does when it is the first thing a
 process calls. What it keeps and where:
@@ -48,6 +52,19 @@ CHIP_PREFIXES = (("v5litepod", "tpu-v5e"), ("v5-lite", "tpu-v5e"), ("v5e", "tpu-
 CACHE_CANNOT_LOAD_ON_TPU = ("2.9.0",)
 FORCE_CACHE_VAR = "LLAMA_XLA_FORCE_COMPILE_CACHE"
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/accelerator-type"
+# Flags that let XLA overlap collectives with compute on a TPU (async collective fusion, all-gathers
+# started early), as the public PyTorch/XLA training recipes set them in LIBTPU_INIT_ARGS (the
+# github.com/gclouduniverse/reproducibility recipes: Training/TPU-v5p/Mixtral-8x7B-PyTorch/env.sh for v5p,
+# Training/TPU-Trillium/Llama3-70B-PyTorch/env.sh for v6e). No recipe there covers v4 or v5e with PyTorch;
+# the same flags are libtpu's, untested on those here. init_runtime adds them on a TPU (`tpu_env`).
+OVERLAP_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
+                 "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+                 "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+                 "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+# LIBTPU_INIT_ARGS as the user set it, read when the package is imported (its __init__ imports this module
+# first): on a machine with chips, torch_xla's import then appends its own defaults to the variable, so what
+# is in the environment later is no longer only the user's. Import llama_xla_helpers before torch_xla.
+USER_LIBTPU_INIT_ARGS = os.environ.get("LIBTPU_INIT_ARGS")
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,9 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
     (`xr.initialize_cache`; see the module's notes); `cache_readonly` reads it without writing.
     It must come before anything compiles and stays for the process: calling again with the same
     cache, or with cache_dir=None, is fine; another cache raises (restart the process to change it).
+    On a TPU it sets, before the runtime starts, the recipes' overlap flags in LIBTPU_INIT_ARGS unless
+    the variable is set already (then process 0 prints that it kept it), and TPU_STDERR_LOG_LEVEL=0
+    only with `hlo_dump_dir` (`tpu_env`).
     """
     if cache_dir is None and compile_cache_dir() is None:  # the variable, unless a cache is set up
         cache_dir = os.environ.get(COMPILE_CACHE_VAR) or None
@@ -127,12 +147,12 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_dump_to={hlo_dump_dir} --xla_dump_hlo_as_text").strip()
     select_device()
-    if tpu_chips_present():  # libtpu sends only errors to stderr: the partitioner's warnings (hlo.py) need 0
-        os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "0")
     import torch_xla
     import torch_xla.runtime as xr
 
     started = torch_xla._XLAC._xla_runtime_is_initialized()
+    if not started:  # libtpu reads its variables once, when the runtime starts
+        os.environ.update(tpu_env(os.environ, tpu_chips_present(), bool(hlo_dump_dir), USER_LIBTPU_INIT_ARGS))
     user_choice = os.environ.get("PJRT_DEVICE")
     kind = xr.device_type()  # torch_xla's detection, unless PJRT_DEVICE is set
     if kind != "TPU" and tpu_chips_present():
@@ -160,7 +180,36 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
             f"init_runtime({cpu_devices}) before any XLA tensor or device query")
     if not started and info.process_index == 0:
         print(info)
+        if kind == "TPU" and USER_LIBTPU_INIT_ARGS is not None:
+            print(f"LIBTPU_INIT_ARGS={USER_LIBTPU_INIT_ARGS!r} is set, so init_runtime kept it and added none of the "
+                  f"overlap flags (runtime.OVERLAP_FLAGS); unset it to get them")
     return info
+
+
+def tpu_env(environ, chips, hlo_dump=False, user_libtpu_args=None):
+    """The variables `init_runtime` sets before the runtime starts, when libtpu reads them: {name: value}.
+
+    Nothing without TPU chips. With chips:
+    - LIBTPU_INIT_ARGS gains each of OVERLAP_FLAGS it does not name yet (after the defaults torch_xla's
+      import put there): XLA then overlaps the collectives of a sharded step with its compute, as the
+      public recipes run. Unless the user set the variable (`user_libtpu_args`, their value before
+      torch_xla's import): theirs is kept whole.
+    - TPU_STDERR_LOG_LEVEL=0 only with an HLO dump (`hlo_dump`), unless set already: libtpu sends only
+      errors to stderr by default, and `hlo.partitioner_warnings` reads the partitioner's warnings
+      there; everywhere else libtpu's INFO lines would flood training, serving and notebooks.
+    """
+    if not chips:
+        return {}
+    env = {}
+    if user_libtpu_args is None:
+        flags = environ.get("LIBTPU_INIT_ARGS", "").split()
+        named = {flag.split("=")[0].lstrip("-") for flag in flags}
+        missing = [flag for flag in OVERLAP_FLAGS.split() if flag.split("=")[0].lstrip("-") not in named]
+        if missing:
+            env["LIBTPU_INIT_ARGS"] = " ".join(flags + missing)
+    if hlo_dump and "TPU_STDERR_LOG_LEVEL" not in environ:
+        env["TPU_STDERR_LOG_LEVEL"] = "0"
+    return env
 
 
 def cpu_device_count(cpu_devices=None):
@@ -211,6 +260,18 @@ def tpu_hosts(accelerator):
     if kind in ("v2", "v3", "v4", "v5p"):
         return max(1, n // 8)
     return 1 if n <= 8 else n // 4
+
+
+def multi_host_slice(accelerator=None):
+    """The number of hosts of this TPU slice if it has more than one, else None, from its type
+    (`accelerator`, default `accelerator_type()`; the metadata server is asked only on a machine with
+    chips). None for a type without a size (GKE's names: check `xr.process_count()` once started).
+
+    Read before the runtime starts: on one host of a multi-host slice the start waits for every host's
+    process, forever if the others never run one. The doctor warns with it; serve and `make test`'s
+    TPU plan, which run on one host, refuse such a slice."""
+    hosts = tpu_hosts(accelerator or accelerator_type(metadata=tpu_chips_present()))
+    return hosts if hosts and hosts > 1 else None
 
 
 def check_cache_dir(cache_dir, readonly=False):
@@ -297,13 +358,13 @@ def chip():
     return next((key for prefix, key in CHIP_PREFIXES if name.startswith(prefix)), None)
 
 
-def accelerator_type():
+def accelerator_type(metadata=True):
     """The TPU type, e.g. "v5litepod-8": ACCELERATOR_TYPE (TPU VM), TPU_ACCELERATOR_TYPE (GKE),
-    else the TPU VM metadata server (1 s timeout); None if none answers."""
+    else the TPU VM metadata server (1 s timeout; not asked with metadata=False); None if none answers."""
     for var in ("ACCELERATOR_TYPE", "TPU_ACCELERATOR_TYPE"):
         if os.environ.get(var):
             return os.environ[var]
-    return _metadata_accelerator_type()
+    return _metadata_accelerator_type() if metadata else None
 
 
 @functools.cache

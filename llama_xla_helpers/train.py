@@ -46,8 +46,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from . import checkpoint
 from .configs import get_config
-from .data import (IGNORE_INDEX, TOKENIZER_FILES, ByteTokenizer, StepSampler, get_tokenizer, load_corpus, tokenizer_and_config,
-                   train_val_split, training_data)
+from .data import IGNORE_INDEX, StepSampler, load_corpus, train_val_split, training_data
 from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_bytes
 from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
@@ -58,6 +57,7 @@ from .cli import ArgumentParser, int_list, user_errors
 from .runtime import chip, compile_cache_counters, compile_cache_summary, default_dtype, init_runtime
 from .sharding import (STRATEGIES, axis_size, batch_axes, shard_activations, shard_params, shard_shape,
                        sharded_loader)
+from .tokenizer import TOKENIZER_FILES, ByteTokenizer, get_tokenizer, tokenizer_and_config
 
 
 @dataclass
@@ -334,14 +334,13 @@ def datasets(cfg, tokenizer=None):
     or (ids, labels) for --sft (IGNORE_INDEX on all but the assistant's tokens).
 
     The byte tokenizer (tokenizer None) on the text itself, as before, or a Hugging Face tokenizer
-    through a token file in checkpoint_dir (data.training_data: tokenized once by process 0,
-    memory-mapped by every host)."""
+    through a token file in checkpoint_dir (data.training_data: tokenized once by process 0, while
+    the other hosts wait for the file, data.wait_seconds; each host reads only its rows)."""
     if tokenizer is None and not cfg.sft and not (cfg.data or "").endswith(".jsonl"):
         train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
         return (train_ids,), (val_ids,)
-    barrier = (lambda: torch.distributed.barrier(checkpoint.host_group())) if xr.process_count() > 1 else None
     train_set, val_set = training_data(cfg.seq_len, tokenizer, cfg.data, cfg.sft, cfg.checkpoint_dir,
-                                       lead=xr.process_index() == 0, barrier=barrier)
+                                       lead=xr.process_index() == 0)
     return train_set.tensors, val_set.tensors
 
 

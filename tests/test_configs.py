@@ -1,11 +1,14 @@
 import pytest
-from transformers import LlamaConfig
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_xla_helpers.configs import CONFIGS, get_config
+from llama_xla_helpers.metrics import param_count
 from llama_xla_helpers.model import rope_args
 
 NAMES = ["tiny", "llama-7b", "llama-33b", "llama-65b", "llama-175b", "llama2-7b",
-         "llama2-13b", "llama2-70b", "llama3-8b", "llama3.1-70b"]
+         "llama2-13b", "llama2-70b", "llama3-8b", "llama3.1-70b", "llama3.2-1b"]
+TIED = {"llama3.2-1b"}  # the output layer is the embedding's weight
 
 
 def test_names_are_the_contract():
@@ -18,7 +21,7 @@ def test_every_config_builds(name):
     assert isinstance(cfg, LlamaConfig)
     assert cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
-    assert not cfg.tie_word_embeddings
+    assert cfg.tie_word_embeddings == (name in TIED)
 
 
 def test_tiny_exact():
@@ -81,6 +84,24 @@ def test_llama31_rope_scaling():
     })
     assert cfg.max_position_embeddings == 131072
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (8192, 80, 64)
+
+
+def test_llama32_1b_published_dims_and_parameter_count():
+    """Llama 3.2 1B's config.json, and its 1.24B parameters counted on the meta device (no memory)."""
+    cfg = get_config("llama3.2-1b")
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (128256, 2048, 8192, 16)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 64)
+    assert (cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (131072, 1e-5, True)
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (128000, 128001)
+    assert rope_args(cfg) == dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    })
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    n = sum(p.numel() for p in model.parameters())  # a tied weight counts once
+    assert n == param_count(cfg) == 1_235_814_400  # embeddings 262,668,288 + 16 layers of 60,821,504 + norm 2048
 
 
 def test_overrides():

@@ -1,10 +1,13 @@
-"""data.py: tokenizers, token files read through np.memmap, JSONL documents and SFT rows (CPU only,
-but one test that feeds TokenRows to sharded_loader)."""
+"""data.py: token files read through np.memmap or by byte ranges, the wait for process 0's file on a
+pod, JSONL documents and SFT rows (CPU only, but one test that feeds TokenRows to sharded_loader).
+The tokenizers' tests are in test_tokenizer.py."""
 import json
 import os
 import pickle
 import re
 import tempfile
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,12 +17,9 @@ from torch.utils.data import TensorDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_xla_helpers import data
-from llama_xla_helpers.configs import get_config
-from llama_xla_helpers.data import (IGNORE_INDEX, ByteTokenizer, TokenRows, check_vocab, encode_document, file_meta,
-                                    get_tokenizer, load_corpus, padded_vocab_size, sft_conversations, sft_example,
-                                    sft_file, sft_rows, small_tokenizer, token_file, token_rows, tokenizer_and_config,
-                                    training_data, write_jsonl)
-from llama_xla_helpers.generate import llama3_chat
+from llama_xla_helpers.data import (IGNORE_INDEX, TokenRows, encode_document, file_meta, load_corpus, sft_conversations,
+                                    sft_example, sft_file, sft_rows, token_file, token_rows, training_data, write_jsonl)
+from llama_xla_helpers.tokenizer import ByteTokenizer, small_tokenizer, tokenizer_and_config
 
 TOKEN_FILE = re.compile(r"tokens-[0-9a-f]{16}\.u32")
 
@@ -45,50 +45,6 @@ def own_temp_dir(tmp_path, monkeypatch):
 
 def flat(rows):
     return rows[:].flatten().tolist()
-
-
-# --- Tokenizers -------------------------------------------------------------------------------
-
-def test_small_tokenizer_is_deterministic_and_writes_llama3_chat(tok, tmp_path):
-    again = small_tokenizer(path=tmp_path / "tok")
-    assert len(tok) == 512 and tok.get_vocab() == again.get_vocab()
-    assert tok.backend_tokenizer.to_str() == again.backend_tokenizer.to_str()
-    assert data.tokenizer_sha(tok) == data.tokenizer_sha(again)
-    loaded = get_tokenizer(tmp_path / "tok")  # save_pretrained, then AutoTokenizer from the folder
-    text = load_corpus()[:2000]
-    assert loaded.encode(text) == tok.encode(text) and tok.encode(text)[0] == tok.bos_token_id
-    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text  # byte-level: any text round-trips
-    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|begin_of_text|>", "<|eot_id|>", "<|pad|>")
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " What is a list? "}]
-    for t in (tok, loaded):
-        assert t.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == llama3_chat(messages)
-    assert get_tokenizer(None).__class__ is ByteTokenizer
-    with pytest.raises(FileNotFoundError, match="is not a folder"):
-        get_tokenizer(tmp_path / "nothing")
-
-
-def test_padded_vocab_size_rounds_up_to_a_multiple_of_64():
-    assert [padded_vocab_size(n) for n in (1, 64, 65, 258, 512, 32000, 128256)] == [64, 64, 128, 320, 512, 32000,
-                                                                                      128256]
-
-
-def test_a_tokenizer_longer_than_the_model_vocab_is_an_error(tok):
-    with pytest.raises(ValueError, match=r"the tokenizer has 512 tokens but the model's vocab_size is 264: .*"
-                                         r"padded_vocab_size\(512\) = 512"):
-        check_vocab(tok, 264)
-    tiny = get_config("tiny")
-    with pytest.raises(ValueError, match="has 512 tokens but the model's vocab_size is 264"):
-        tokenizer_and_config(tiny, tok, pretrained=True)  # fine-tuning tiny with it: an error
-    _, sized = tokenizer_and_config(tiny, tok)  # from random init: the model is sized for the tokenizer
-    assert (sized.vocab_size, sized.bos_token_id, sized.eos_token_id, sized.pad_token_id) == (
-        512, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    assert tiny.vocab_size == 264 and sized.hidden_size == tiny.hidden_size  # a copy; the rest is tiny's
-    byte, same = tokenizer_and_config(tiny, None, pretrained=True)  # tiny is a byte-level model
-    assert isinstance(byte, ByteTokenizer) and same is tiny
-    with pytest.raises(ValueError, match="not trained with the byte tokenizer.*pass the model's own tokenizer"):
-        tokenizer_and_config(get_config("llama3-8b"), None, pretrained=True)
-    with pytest.raises(ValueError, match="has 258 tokens but the model's vocab_size is 200"):
-        tokenizer_and_config(LlamaConfig(vocab_size=200), None)
 
 
 # --- Token files ------------------------------------------------------------------------------
@@ -154,21 +110,93 @@ def test_a_failed_write_leaves_no_token_file(tok, text_file, tmp_path, monkeypat
         [f".{path.name}.12345.deadbeef.tmp", path.name, path.name + ".json"])
 
 
-def test_hosts_other_than_the_lead_read_the_lead_s_file(tok, text_file, tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="does not exist on this host: the token folder must be one that "
-                                                "every host sees"):
-        token_file(text_file, tok, tmp_path / "own-disk", lead=False)
-    waited = []
-    path = token_file(text_file, tok, tmp_path / "shared", barrier=lambda: waited.append(1))
-    assert waited == [1] and token_file(text_file, tok, tmp_path / "shared", lead=False) == path
-    # a gs:// checkpoint_dir (here fsspec's in-memory file system): the lead uploads, each host reads a local copy
+def test_hosts_other_than_the_lead_wait_for_the_lead_s_file(tok, text_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "POLL_S", 0.05)
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="does not exist on this host after 1 s of waiting for process 0 to "
+                                                "write it: the token folder must be one that every host sees.*"
+                                                "tokenize first, on one host: python -m llama_xla_helpers.data"):
+        token_file(text_file, tok, tmp_path / "own-disk", lead=False, wait=1)
+    assert time.monotonic() - started >= 1
+    # a host that starts waiting before the lead has written the file reads it once it is there
+    got = []
+    other = threading.Thread(target=lambda: got.append(token_file(text_file, tok, tmp_path / "shared", lead=False,
+                                                                   wait=60)))
+    other.start()
+    time.sleep(0.3)
+    assert other.is_alive() and not (tmp_path / "shared").exists()
+    path = token_file(text_file, tok, tmp_path / "shared")  # the lead tokenizes
+    other.join(10)
+    assert got == [path] and not other.is_alive()
+    # by default a host waits 30 minutes plus a second per MiB of the data file
+    waits = []
+    monkeypatch.setattr(data, "_wait_for", lambda there, where, wait: waits.append(wait))
+    token_file(text_file, tok, tmp_path / "shared", lead=False)
+    token_file(text_file, tok, tmp_path / "shared")
+    assert waits == [30 * 60 + text_file.stat().st_size / 2**20, 0] == [data.wait_seconds(text_file), 0]
+
+
+def range_log(fs, monkeypatch):
+    """A list to which every cat_file of `fs` (what cat_ranges calls) adds (path, start, end)."""
+    reads, cat_file = [], fs.cat_file
+
+    def logged(path, start=None, end=None, **kwargs):
+        reads.append((path, start, end))
+        return cat_file(path, start, end, **kwargs)
+    monkeypatch.setattr(fs, "cat_file", logged)
+    return reads
+
+
+def test_a_gs_folder_s_token_file_is_read_by_the_byte_ranges_of_each_host_s_rows(tok, text_file, tmp_path,
+                                                                                 monkeypatch):
+    """A gs:// checkpoint_dir, here fsspec's in-memory file system: the lead uploads the token file,
+    every host gets its URL and reads the rows it indexes, no other byte, and no host downloads it."""
+    import fsspec
     url = f"memory://{tmp_path.name}/run"
-    local = token_file(text_file, tok, url)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "other-host"))
+    path = token_file(text_file, tok, url)
+    local = token_file(text_file, tok, tmp_path / "local")
+    assert path == f"{url}/{local.name}" and file_meta(path) == file_meta(local)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "other-host"))  # another host: nothing local
     os.makedirs(tmp_path / "other-host")
-    copied = token_file(text_file, tok, url, lead=False)
-    assert copied != local and copied.read_bytes() == local.read_bytes() == path.read_bytes()
-    assert file_meta(copied) == file_meta(local)
+    assert token_file(text_file, tok, url, lead=False, wait=0) == path
+    assert list((tmp_path / "other-host").iterdir()) == []
+    reads = range_log(fsspec.filesystem("memory"), monkeypatch)  # the instance url_to_fs returns
+    rows, want = token_rows(path, 32, val_fraction=0)[0], TokenRows(local, 32)[:]
+    assert rows.shape == want.shape and len(rows) > 200
+    for host, mine in enumerate((torch.tensor([7, 3, 150]), slice(40, 43), 5)):  # each host's rows of a batch
+        reads.clear()
+        assert torch.equal(rows[mine], want[mine]), host
+        index = np.atleast_1d(np.arange(len(rows))[mine])  # 128 bytes a row: 32 uint32 ids
+        assert reads == [(f"/{tmp_path.name}/run/{local.name}", r * 128, r * 128 + 128) for r in index], host
+    sft = write_jsonl(tmp_path / "chat.jsonl", sft_conversations(12))
+    (ids, labels), _ = sft_rows(sft_file(sft, tok, 320, url), 320)  # rows of 640: ids, then labels
+    reads.clear()
+    assert ids[2].shape == labels[2].shape == (320,)  # each reads its half of row 2, 2560 bytes a row
+    assert [(s, e) for _, s, e in reads] == [(2 * 2560, 2 * 2560 + 1280), (2 * 2560 + 1280, 3 * 2560)]
+    assert torch.equal(pickle.loads(pickle.dumps(rows))[5], want[5])  # a DataLoader worker reopens the URL
+
+
+def test_tokenize_first_on_one_host_then_a_pod_s_hosts_only_read(tok, text_file, tmp_path, monkeypatch, capsys):
+    """The command the wait's error gives writes the file that a run with the same flags reads, on
+    every host: here train.datasets on a faked second host of two, which would otherwise wait."""
+    from llama_xla_helpers import train
+    tok.save_pretrained(tmp_path / "tok")
+    cfg = train.TrainConfig(tokenizer=str(tmp_path / "tok"), data=str(text_file), seq_len=32,
+                            checkpoint_dir=str(tmp_path / "ck"))
+    monkeypatch.setattr(train.xr, "process_index", lambda: 1)
+    monkeypatch.setattr(train.xr, "process_count", lambda: 2)
+    monkeypatch.setattr(data, "WAIT_S", 0.2)
+    with pytest.raises(FileNotFoundError, match="tokenize first, on one host"):
+        train.datasets(cfg, train.hf_tokenizer(cfg))
+    data.main(["--checkpoint-dir", cfg.checkpoint_dir, "--tokenizer", cfg.tokenizer, "--data", cfg.data])
+    path = token_file(text_file, train.hf_tokenizer(cfg), tmp_path / "ck")  # there: tokenizes nothing
+    assert capsys.readouterr().out == f"{path}: {file_meta(path)['tokens']:,} tokens\n"
+    (train_ids,), (val_ids,) = train.datasets(cfg, train.hf_tokenizer(cfg))
+    assert (train_ids.path, val_ids.path) == (str(path),) * 2 and len(train_ids) + len(val_ids) == len(
+        TokenRows(path, 32))
+    with pytest.raises(SystemExit) as stop:
+        data.main(["--checkpoint-dir", cfg.checkpoint_dir, "--sft", cfg.data])
+    assert stop.value.code == 2 and "error: --sft needs the run's --seq-len" in capsys.readouterr().err
 
 
 def test_token_rows_index_like_a_tensor(tmp_path):

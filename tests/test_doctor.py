@@ -4,8 +4,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
 
-from llama_xla_helpers import doctor
+from llama_xla_helpers import doctor, runtime
+from llama_xla_helpers.hlo import compiled_hlo, instructions
+from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.doctor import (CHECKS, CheckFailed, check_checkpoint_dir, check_compile_cache, check_libtpu_flags,
                                       check_versions, cpu_fallbacks, multi_host_note, one_line, run_checks)
 from llama_xla_helpers.runtime import default_dtype
@@ -110,13 +117,43 @@ def test_torch_and_torch_xla_of_different_releases_fail():
 @pytest.mark.parametrize("accelerator, source", [("v6e-8", "the Trillium Llama 3 70B recipe"),
                                                  ("v5p-8", "the v5p Mixtral-8x7B recipe"),
                                                  ("v5litepod-4", "no public PyTorch recipe for tpu-v5e")])
-def test_libtpu_flags_recommended_per_tpu_generation(monkeypatch, accelerator, source):
+def test_the_libtpu_line_says_what_init_runtime_set(monkeypatch, accelerator, source):
     monkeypatch.setattr(doctor.xr, "device_type", lambda: "TPU")
     monkeypatch.setenv("ACCELERATOR_TYPE", accelerator)
+    monkeypatch.setattr(runtime, "USER_LIBTPU_INIT_ARGS", None)  # unset by the user: init_runtime added the flags
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", runtime.OVERLAP_FLAGS)
+    line = check_libtpu_flags(None)
+    assert line.startswith(f"LIBTPU_INIT_ARGS='{runtime.OVERLAP_FLAGS}': init_runtime added the flags that overlap "
+                           f"collectives with compute (") and source in line
+    monkeypatch.setattr(runtime, "USER_LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=true")  # the user's
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=true")
     line = check_libtpu_flags(None)
-    assert line.startswith("LIBTPU_INIT_ARGS='--xla_enable_async_all_gather=true'; to overlap collectives") and \
-        source in line and "--xla_tpu_enable_async_collective_fusion=true" in line
+    assert line.startswith("LIBTPU_INIT_ARGS='--xla_enable_async_all_gather=true': yours, kept; init_runtime adds") \
+        and source in line and line.endswith(f"only when it is unset: '{runtime.OVERLAP_FLAGS}'")
+
+
+def test_doctor_overlap_flags_are_runtimes():
+    assert doctor.OVERLAP_FLAGS is runtime.OVERLAP_FLAGS
+
+
+@pytest.mark.devices
+def test_the_memory_measure_is_one_graph_of_dependent_passes():
+    """One run of the bandwidth measure: one compiled program, one execution, its passes a loop XLA keeps
+    (each reads what the previous wrote: 1 - (1 - x) ... ), not one fused pass."""
+    n = xr.global_runtime_device_count()
+    x = torch.arange(n * 1000, dtype=torch.float32, device=torch_xla.device())  # a shape no other test compiles
+    xs.mark_sharding(x, make_mesh((n,), ("data",)), ("data",))
+    torch_xla.sync()
+    count = lambda: [(met.metric_data(name) or [0])[0] for name in ("CompileTime", "ExecuteReplicatedTime")]
+    before = count()
+    with compiled_hlo() as modules:
+        out = doctor.memory_passes(x, 5)
+        torch_xla.sync()
+    assert [after - b for after, b in zip(count(), before)] == [1, 1]  # compiled once, run once
+    assert torch.equal(out.cpu(), 1 - torch.arange(n * 1000.0))  # 5 passes of 1 - x: an odd number
+    [module] = modules
+    [loop] = instructions(module, "while")
+    assert '"known_trip_count":{"n":"4"}' in loop  # the first pass, then 4 in the loop
 
 
 def test_checkpoint_dir_check(tmp_path, monkeypatch):

@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
 
-from llama_xla_helpers.hlo import (BUFFER_ASSIGNMENT, collectives, compiled_hlo, instructions, op_count,
-                                   partitioner_warnings, temp_bytes)
+from llama_xla_helpers.hlo import (BUFFER_ASSIGNMENT, check_count, collectives, compiled_hlo, exact_on_cpu,
+                                   instructions, op_count, partitioner_warnings, temp_bytes)
 from llama_xla_helpers.mesh import make_mesh
 
 # One collective per case, as (HLO lines, its op, bytes of its output per device). Every async
@@ -118,6 +119,22 @@ def test_collectives_counted_from_compiled_hlo():
     assert counts == {"all-reduce": 1}
     assert nbytes == {"all-reduce": (16 // 4) * 64 * 4}  # one (4, 64) fp32 block per device
     torch.testing.assert_close(c.cpu(), a.cpu() @ b.cpu())
+
+
+@pytest.mark.parametrize("kind, measured, at_least, message", [
+    ("CPU", 26, False, None), ("CPU", 20, False, "20; expected 26 exactly"), ("CPU", 27, True, "27; expected 26 exactly"),
+    ("TPU", 26, False, None), ("TPU", 20, False, None), ("TPU", 27, False, "27; expected 26 or fewer"),
+    ("TPU", 27, True, None), ("TPU", 20, True, "20; expected 26 or more"),
+])
+def test_check_count_is_exact_on_xla_cpu_and_a_bound_elsewhere(monkeypatch, kind, measured, at_least, message):
+    # The device kind faked: a TPU's compiler combines collectives (fewer) and may split loops (more).
+    monkeypatch.setattr(xr, "device_type", lambda: kind)
+    assert exact_on_cpu() == (kind == "CPU")
+    if message is None:
+        check_count(measured, 26, "all-reduces", at_least=at_least)
+    else:
+        with pytest.raises(AssertionError, match=rf"^all-reduces: {message}"):
+            check_count(measured, 26, "all-reduces", at_least=at_least)
 
 
 def test_instructions_of_one_op_and_their_count():

@@ -63,6 +63,22 @@ def test_the_tpu_plan_runs_one_part_at_a_time_and_compares_no_cpu_outputs():
     assert "install -e '.[dev,scan,log]'" in make_n("-B", ".venv/installed", "TPU=").stdout
 
 
+@pytest.mark.parametrize("variable, accelerator, hosts", [("ACCELERATOR_TYPE", "v4-16", 2),
+                                                         ("TPU_ACCELERATOR_TYPE", "v5litepod-16", 4)])
+def test_the_tpu_plan_refuses_a_multi_host_slice_in_one_line(variable, accelerator, hosts):
+    """make test on every host of a pod cannot work (host-local checkpoint folders, a collective left
+    waiting): the TPU plan reads the slice's host count from its type and stops, running nothing."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATOR_TYPE", "TPU_ACCELERATOR_TYPE")}
+    out = make_n("test", "TPU=1", env={**env, variable: accelerator})
+    errors = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(errors) == 1 and "pytest" not in out.stdout, out
+    assert errors[0].endswith(f"*** error: {accelerator} is a slice of {hosts} hosts and make test runs on one host; "
+                              f"on a pod run the doctor on every host and one short training run (README: A pod).  Stop.")
+    for one_host in ({**env, variable: "v4-8"}, env):  # one host, or no TPU type known: the plan runs
+        assert "test-tpu" in make_n("test", "TPU=1", env=one_host).stdout
+    assert make_n("test", "TPU=", env={**env, variable: accelerator}).returncode == 0  # the CPU plan: no pod
+
+
 STUBS = {  # what each stub interpreter does when make runs its version check
     "ok": "#!/bin/sh\nexit 0\n",                                                      # 3.11 or newer
     "old": "#!/bin/sh\nexit 1\n",                                                     # 3.10: the check fails

@@ -7,22 +7,42 @@ from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.mesh import hybrid_device_ids, make_mesh, mesh_shape
 from util import N, eight_devices
 
+# Device id -> (x, y) of its chip on a 4 x 2 slice (a v5e-8), ids scattered over it.
+PLACES = [(0, 0), (2, 1), (1, 0), (3, 1), (0, 1), (2, 0), (1, 1), (3, 0)]
+
+
+def assert_mesh(mesh, shape, axis_names=("data", "model")):
+    """What holds on any device: the shape, the axis names, every device exactly once. Device order
+    only on a CPU: on one TPU slice make_mesh follows the chips' torus (tested below, faked)."""
+    ids = mesh.get_logical_mesh()
+    assert ids.shape == tuple(shape) and mesh.axis_names == axis_names
+    assert sorted(ids.flatten()) == list(range(N))
+    if xr.device_type() == "CPU":
+        np.testing.assert_array_equal(ids, np.arange(N).reshape(shape))
+
+
+@pytest.fixture
+def tpu_slice(monkeypatch):
+    """This run's 8 devices as the chips of a TPU slice at PLACES (device kind and attributes faked)."""
+    attributes = [dict(a, coords=[x, y, 0], core_on_chip=0)
+                  for a, (x, y) in zip(xr.global_runtime_device_attributes(), PLACES)]
+    monkeypatch.setattr(xr, "device_type", lambda: "TPU")
+    monkeypatch.setattr(xr, "global_runtime_device_attributes", lambda: [dict(a) for a in attributes])
+    monkeypatch.setattr(xm, "xla_device_hw", lambda device: "TPU")
+
 
 @pytest.mark.devices
 def test_default_mesh_uses_every_device():
-    mesh = make_mesh()
-    assert tuple(mesh.mesh_shape) == (N, 1) and mesh.axis_names == ("data", "model")
-    np.testing.assert_array_equal(mesh.get_logical_mesh(), np.arange(N).reshape(N, 1))
-    one_axis = make_mesh(axis_names=("fsdp",))
-    assert tuple(one_axis.mesh_shape) == (N,) and one_axis.axis_names == ("fsdp",)
+    assert_mesh(make_mesh(), (N, 1))
+    assert_mesh(make_mesh(axis_names=("fsdp",)), (N,), ("fsdp",))
 
 
 @pytest.mark.devices
 def test_picked_shape_fits_the_devices_and_the_model():
     data, model = mesh_shape(config=get_config("tiny"))
     assert data * model == N and model <= data
-    np.testing.assert_array_equal(make_mesh((data, model)).get_logical_mesh(), np.arange(N).reshape(data, model))
-    np.testing.assert_array_equal(make_mesh((-1, model)).get_logical_mesh(), np.arange(N).reshape(data, model))
+    assert_mesh(make_mesh((data, model)), (data, model))
+    assert_mesh(make_mesh((-1, model)), (data, model))
 
 
 def test_mesh_shape_by_device_count():
@@ -34,11 +54,15 @@ def test_mesh_shape_by_device_count():
 
 
 @eight_devices
-@pytest.mark.parametrize("shape, expected", [((4, 2), (4, 2)), ((-1, 2), (4, 2)), ((2, -1), (2, 4)), ((1, 8), (1, 8))])
-def test_mesh_shapes(shape, expected):
+@pytest.mark.parametrize("device", ["this run's", "a TPU slice (faked)"])
+@pytest.mark.parametrize("shape, expected", [((4, 2), (4, 2)), ((-1, 2), (4, 2)), ((2, -1), (2, 4)), ((1, 8), (1, 8)),
+                                             ((8, 1), (8, 1))])
+def test_mesh_shapes(shape, expected, device, request):
+    if device != "this run's":
+        request.getfixturevalue("tpu_slice")
     mesh = make_mesh(shape)
     assert tuple(mesh.mesh_shape) == expected
-    np.testing.assert_array_equal(mesh.get_logical_mesh(), np.arange(8).reshape(expected))
+    assert_mesh(mesh, expected)
 
 
 @eight_devices
@@ -53,19 +77,13 @@ def test_hybrid_mesh_keeps_each_slice_together():
 
 
 @eight_devices
-def test_one_tpu_slice_orders_the_mesh_by_the_chips_torus_coordinates(monkeypatch):
+def test_one_tpu_slice_orders_the_mesh_by_the_chips_torus_coordinates(tpu_slice):
     """A TPU's device ids need not follow its chips' places on the ICI torus. Faked: 8 chips of a 4 x 2
     slice (a v5e-8) whose ids are scattered over it. The mesh puts the two devices of each 'model'
     group (the axis that talks most) on neighbouring chips; consecutive ids would not."""
-    places = [(0, 0), (2, 1), (1, 0), (3, 1), (0, 1), (2, 0), (1, 1), (3, 0)]  # device id -> (x, y) on the slice
-    attributes = [dict(a, coords=[x, y, 0], core_on_chip=0)
-                  for a, (x, y) in zip(xr.global_runtime_device_attributes(), places)]
-    monkeypatch.setattr(xr, "device_type", lambda: "TPU")
-    monkeypatch.setattr(xr, "global_runtime_device_attributes", lambda: [dict(a) for a in attributes])
-    monkeypatch.setattr(xm, "xla_device_hw", lambda device: "TPU")
     ids = make_mesh((4, 2)).get_logical_mesh()
     assert sorted(ids.flatten()) == list(range(8))
-    distance = lambda a, b: sum(abs(p - q) for p, q in zip(places[a], places[b]))
+    distance = lambda a, b: sum(abs(p - q) for p, q in zip(PLACES[a], PLACES[b]))
     assert all(distance(a, b) == 1 for a, b in ids)  # each 'model' pair: ICI neighbours
     assert not all(distance(a, b) == 1 for a, b in np.arange(8).reshape(4, 2))  # what consecutive ids give
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from llama_xla_helpers.generate import Generator
+from llama_xla_helpers.hlo import check_count
 from llama_xla_helpers.mesh import make_mesh, mesh_shape
 from llama_xla_helpers.model import Linear, Llama
 from llama_xla_helpers.parallel import decode_collectives, main, replicate_kv_heads, shard_for_inference
@@ -130,9 +131,10 @@ def test_decode_step_all_reduces_after_row_parallel_layers(collectives):
     counts, _ = collectives
     # The Llama 3.1 70B post: one all-reduce for the vocabulary-parallel embedding, one after each
     # row-parallel layer (o_proj, down_proj) of each of the 2 blocks; the greedy pick over the
-    # vocabulary-parallel logits adds all-gathers (the next test says which).
-    assert counts["all-reduce"] == 1 + 2 * 2
-    assert counts["all-gather"] >= 1
+    # vocabulary-parallel logits adds all-gathers (the next test says which). Exact on XLA:CPU; a
+    # TPU's compiler may combine them (hlo.check_count).
+    check_count(counts["all-reduce"], 1 + 2 * 2, "all-reduces of a decode step")
+    assert counts["all-reduce"] >= 1 and counts["all-gather"] >= 1
 
 
 def test_decode_step_gathers_only_each_shards_best_token(collectives):
@@ -140,8 +142,8 @@ def test_decode_step_gathers_only_each_shards_best_token(collectives):
     # logits gathers only each shard's best (value, index): (3 rows, TP shards) of f32 and of s32.
     # Gathering the logits themselves would move (3, 264) f32 = 3168 bytes per device.
     counts, nbytes = collectives
-    assert counts["all-gather"] == 2
-    assert nbytes["all-gather"] == 3 * TP * (4 + 4)
+    check_count(counts["all-gather"], 2, "all-gathers of a decode step")
+    check_count(nbytes["all-gather"], 3 * TP * (4 + 4), "all-gather bytes of a decode step")
 
 
 @pytest.mark.parametrize("variant, factor", [("gqa", 2), ("llama3.1", 4)])

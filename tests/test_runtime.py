@@ -9,6 +9,7 @@ import sys
 import tempfile
 
 import pytest
+import torch_xla
 import torch_xla.runtime as xr
 
 from llama_xla_helpers import runtime
@@ -130,3 +131,111 @@ def test_the_dump_folder_of_a_killed_process_goes_at_the_next_start(tmp_path, mo
     unknown.mkdir()  # no pid in the name: not ours to remove
     runtime.remove_orphan_dump_dirs()
     assert not orphan.exists() and mine.exists() and unknown.exists()
+
+
+@pytest.fixture
+def torch_xla_import(monkeypatch):
+    """LIBTPU_INIT_ARGS as torch_xla's import leaves it on a v5 TPU VM, from the user's value (None: unset)."""
+    monkeypatch.setattr(torch_xla._internal.tpu, "version", lambda: 5)
+
+    def after_import(user_value):
+        if user_value is None:
+            monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+        else:
+            monkeypatch.setenv("LIBTPU_INIT_ARGS", user_value)
+        torch_xla._setup_libtpu_flags()  # what the import runs on a machine with chips
+        return os.environ["LIBTPU_INIT_ARGS"]
+    return after_import
+
+
+def test_on_a_tpu_the_overlap_flags_are_added_to_torch_xlas_defaults(torch_xla_import):
+    defaults = torch_xla_import(None).split()
+    env = runtime.tpu_env({"LIBTPU_INIT_ARGS": " ".join(defaults)}, chips=True)
+    flags = env["LIBTPU_INIT_ARGS"].split()
+    assert flags[:len(defaults)] == defaults  # torch_xla's own, first and unchanged
+    assert set(runtime.OVERLAP_FLAGS.split()) <= set(flags) and len(flags) == len(set(flags))  # none twice
+    assert "--xla_enable_async_all_gather=true" in defaults and len(flags) == len(defaults) + 4  # v5's default kept
+    assert env == {"LIBTPU_INIT_ARGS": " ".join(flags)}  # no TPU_STDERR_LOG_LEVEL without an HLO dump
+    assert runtime.tpu_env({}, chips=True) == {"LIBTPU_INIT_ARGS": runtime.OVERLAP_FLAGS}
+    assert runtime.tpu_env({"LIBTPU_INIT_ARGS": runtime.OVERLAP_FLAGS}, chips=True) == {}  # a second call adds nothing
+
+
+def test_a_libtpu_init_args_the_user_set_is_kept_whole(torch_xla_import):
+    mine = "--xla_tpu_enable_async_collective_fusion=false"
+    environ = {"LIBTPU_INIT_ARGS": torch_xla_import(mine)}  # torch_xla's import appended its defaults
+    assert environ["LIBTPU_INIT_ARGS"].startswith(mine + " --")
+    assert runtime.tpu_env(environ, chips=True, user_libtpu_args=mine) == {}
+    environ = {"LIBTPU_INIT_ARGS": torch_xla_import("")}
+    assert runtime.tpu_env(environ, chips=True, user_libtpu_args="") == {}  # set but empty: the way to opt out
+
+
+@pytest.mark.parametrize("environ", [{}, {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_flash_attention=false"}])
+def test_nothing_is_set_without_tpu_chips(environ):
+    assert runtime.tpu_env(environ, chips=False, hlo_dump=True) == {}
+
+
+def test_libtpus_stderr_log_is_verbose_only_for_an_hlo_dump():
+    user = dict(user_libtpu_args="")  # LIBTPU_INIT_ARGS left aside
+    assert runtime.tpu_env({}, chips=True, hlo_dump=False, **user) == {}  # its INFO lines would flood every run
+    assert runtime.tpu_env({}, chips=True, hlo_dump=True, **user) == {"TPU_STDERR_LOG_LEVEL": "0"}  # hlo.py reads it
+    assert runtime.tpu_env({"TPU_STDERR_LOG_LEVEL": "2"}, chips=True, hlo_dump=True, **user) == {}  # the user's wins
+
+
+@pytest.fixture
+def fresh_tpu_vm(fake_tpu):
+    """init_runtime as a new process on a one-host TPU VM (v5litepod-8) runs it: chips, no runtime yet."""
+    fake_tpu.setattr(runtime, "tpu_chips_present", lambda: True)
+    fake_tpu.setattr(torch_xla._XLAC, "_xla_runtime_is_initialized", lambda: False)
+    fake_tpu.setenv("ACCELERATOR_TYPE", "v5litepod-8")
+    for var in ("LIBTPU_INIT_ARGS", "TPU_STDERR_LOG_LEVEL"):
+        fake_tpu.delenv(var, raising=False)
+    fake_tpu.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the hlo_dump_dir call
+    return fake_tpu
+
+
+def test_init_runtime_on_a_tpu_sets_the_overlap_flags(fresh_tpu_vm, tmp_path, capsys):
+    fresh_tpu_vm.setattr(runtime, "USER_LIBTPU_INIT_ARGS", None)
+    info = init_runtime()
+    assert os.environ["LIBTPU_INIT_ARGS"] == runtime.OVERLAP_FLAGS and "TPU_STDERR_LOG_LEVEL" not in os.environ
+    assert capsys.readouterr().out == f"{info}\n" and info.chip == "tpu-v5e"  # nothing printed about the flags
+    init_runtime(hlo_dump_dir=tmp_path)
+    assert os.environ["TPU_STDERR_LOG_LEVEL"] == "0"
+
+
+def test_init_runtime_keeps_the_users_libtpu_init_args_and_process_0_says_so(fresh_tpu_vm, capsys):
+    fresh_tpu_vm.setattr(runtime, "USER_LIBTPU_INIT_ARGS", "--mine=1")
+    fresh_tpu_vm.setenv("LIBTPU_INIT_ARGS", "--mine=1")
+    init_runtime()
+    assert os.environ["LIBTPU_INIT_ARGS"] == "--mine=1"
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "LIBTPU_INIT_ARGS='--mine=1' is set, so init_runtime kept it and added none of the overlap flags "
+        "(runtime.OVERLAP_FLAGS); unset it to get them"]
+    fresh_tpu_vm.setattr(xr, "process_index", lambda: 1)
+    init_runtime()
+    assert capsys.readouterr().out == ""  # the other hosts print nothing
+
+
+def test_a_started_runtime_sets_nothing(monkeypatch):
+    monkeypatch.setattr(runtime, "tpu_env", lambda *args: pytest.fail("tpu_env called after the runtime started"))
+    assert init_runtime().device_kind == "CPU"
+
+
+@pytest.mark.parametrize("accelerator, hosts", [("v4-16", 2), ("v5litepod-16", 4), ("v6e-256", 64), ("v4-8", None),
+                                                ("v6e-8", None), ("tpu-v5-lite-podslice", None)])
+def test_a_multi_host_slice_from_its_type(monkeypatch, accelerator, hosts):
+    monkeypatch.setattr(runtime, "_metadata_accelerator_type", lambda: pytest.fail("asked the metadata server"))
+    monkeypatch.setenv("ACCELERATOR_TYPE", accelerator)
+    assert runtime.multi_host_slice() == hosts
+    monkeypatch.delenv("ACCELERATOR_TYPE")
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)  # GKE's variable
+    assert runtime.multi_host_slice() == hosts and runtime.multi_host_slice("v4-32") == 4
+
+
+def test_the_metadata_server_is_asked_for_the_slice_only_with_chips(monkeypatch):
+    for var in ("ACCELERATOR_TYPE", "TPU_ACCELERATOR_TYPE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(runtime, "_metadata_accelerator_type", lambda: "v5p-32")
+    monkeypatch.setattr(runtime, "tpu_chips_present", lambda: False)
+    assert runtime.multi_host_slice() is None
+    monkeypatch.setattr(runtime, "tpu_chips_present", lambda: True)
+    assert runtime.multi_host_slice() == 4
