@@ -18,9 +18,15 @@ yet and grows until the character is whole.
 A stop string can only end in the new text, so it is searched for in the new text and the
 len(stop) - 1 characters before it.
 
+One token's text, as a log-probability lists it (`token_key`), is not always text: a byte token,
+or a piece of a character split over tokens, decodes to U+FFFD, so distinct tokens would share
+one key. OpenAI writes such a token as its bytes, `bytes:\\xc3`, and so does `token_key`.
+
 Source: vLLM's incremental detokenization, https://github.com/vllm-project/vllm/blob/main/vllm/v1/engine/detokenizer.py;
 Hugging Face's TextStreamer, https://github.com/huggingface/transformers/blob/main/src/transformers/generation/streamers.py
 """
+
+import re
 
 CONTEXT = 5  # prompt tokens the first window starts with (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 
@@ -61,3 +67,44 @@ class TextStream:
         self.text += new
         if hits:
             self.text, self.stopped = self.text[:len(self.text) - len(tail) + min(hits)], True
+
+
+def byte_level_alphabet():
+    """{character: byte} of GPT-2's byte-level pieces (Llama 3's tokenizer): the printable bytes
+    stand for themselves, the 68 others for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+BYTE_LEVEL = byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token):
+    """The bytes of one token: its decoded text's unless that holds U+FFFD (a byte token, or part
+    of a character split over tokens); then its piece's: Llama 2's byte tokens `<0xC3>`, Llama 3's
+    byte-level characters (BYTE_LEVEL), or the byte tokenizer's ids 0-255 themselves. tokenizer:
+    transformers' (convert_ids_to_tokens), `tokenizers`' (id_to_token) or the byte tokenizer."""
+    text = tokenizer.decode([token])
+    if "\ufffd" not in text:
+        return text.encode()
+    lookup = getattr(tokenizer, "convert_ids_to_tokens", None) or getattr(tokenizer, "id_to_token", None)
+    if lookup is None:  # the byte tokenizer (tokenizer.ByteTokenizer): no pieces, ids 0-255 are bytes
+        return bytes([token]) if token < 256 else text.encode()
+    piece = lookup(token)
+    if hexa := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+        return bytes([int(hexa[1], 16)])
+    if all(c in BYTE_LEVEL for c in piece):
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    return text.encode()  # a piece whose text really holds U+FFFD
+
+
+def token_key(tokenizer, token):
+    """One token as OpenAI's log-probabilities write it: its text, or `bytes:\\xNN...` (each byte as
+    \\x and two hex digits) when its bytes are not UTF-8 on their own. Distinct tokens get distinct
+    keys whenever their bytes differ."""
+    piece = token_bytes(tokenizer, token)
+    try:
+        return piece.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)

@@ -44,7 +44,7 @@ Sampling is per slot (temperature, top-k, top-p and a seed as device tensors) an
 noise from (seed, position), so a request samples the same tokens whatever shares the batch.
 It first keeps the SAMPLE_TOP_K most likely tokens (vLLM's and JetStream's TPU samplers bound
 the vocabulary the same way), so no step sorts the vocabulary; when every busy slot is greedy,
-the step is an argmax. Text grows incrementally (`detokenize.TextStream`).
+the step is an argmax. `Generator` samples with the same function (`generate.sample_rows`). Text grows incrementally (`detokenize.TextStream`).
 
 Sources: JetStream's engine API (prefill, insert, generate) and its one-step lag,
 https://github.com/AI-Hypercomputer/JetStream; vLLM v1's scheduler and model runner,
@@ -65,13 +65,12 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 from .detokenize import TextStream
-from .generate import check_buckets, check_request, mark_replicated, replicator
+from .generate import SAMPLE_TOP_K, check_buckets, check_request, mark_replicated, replicator, sample_rows
 from .mesh import make_mesh
 from .metrics import count_compiles
 from .model import KVCache
 from .scheduler import Request, Scheduler, kv_buckets, prefill_sections, prefill_shapes, round_up
 
-SAMPLE_TOP_K = 64  # sampling draws from at most this many of the most likely tokens
 TOP_LOGPROBS = 20  # alternatives a token's log-probabilities can list (OpenAI's limit)
 
 
@@ -84,35 +83,6 @@ class RecompileError(RuntimeError):
 
 
 # --- The three graphs -----------------------------------------------------------------------
-
-def uniform(seed, pos, n):
-    """(B, n) numbers in (0, 1), a hash of (seed, pos, index): the same draw for a request's
-    position wherever it sits in the batch. seed, pos: (B,) int64."""
-    x = (seed[:, None] * 0x9E3779B1 + pos[:, None] * 0x85EBCA77 + torch.arange(n, device=seed.device)) & 0xFFFFFFFF
-    for _ in range(2):  # mix the bits (a 32-bit integer hash; the masks keep it in 32 bits)
-        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (x >> 16) ^ x
-    return ((x >> 8).float() + 0.5) / 2 ** 24  # 24 bits: exact in fp32, never 0 or 1
-
-
-def sample_rows(logits, temperature, top_p, seed, pos, top_k=None):
-    """Next token per row (B,) from logits (B, vocab_size), each row with its own temperature,
-    top_p (B,) fp32, seed (B,) int64 and top_k (B,) int64 (0 or None: SAMPLE_TOP_K): greedy where
-    temperature is 0, else top-k, then top-p, sampling."""
-    greedy = logits.argmax(dim=-1)
-    k = min(SAMPLE_TOP_K, logits.shape[-1])
-    top, order = logits.topk(k, dim=-1)  # (B, k), most likely first: no sort of the vocabulary
-    if top_k is not None:
-        rank = torch.arange(k, device=logits.device)
-        top = top.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
-    probs = torch.softmax(top / temperature.clamp(min=1e-6)[:, None], dim=-1)
-    drop = probs.cumsum(dim=-1) - probs > top_p[:, None]  # the nucleus, as in generate.sample
-    probs = probs.masked_fill(drop, 0.0)
-    # The exponential race: argmax(p / E) with E ~ Exp(1) (E = -log U) draws index i with probability p_i.
-    pick = (probs / -uniform(seed, pos, k).log()).argmax(dim=-1)  # (B,)
-    sampled = order.gather(-1, pick[:, None])[:, 0]
-    return torch.where(temperature > 0, sampled, greedy)
-
 
 def logprobs_of(logits, tokens):
     """Log-probabilities of tokens (...) under logits (..., vocab_size), and the TOP_LOGPROBS
@@ -524,6 +494,10 @@ class Engine:
         return [r.tokens for r in reqs]
 
     def metrics(self):
-        return dict(requests_total=self.requests_total, tokens_total=self.tokens_total,
-                    slots_busy=sum(r is not None for r in self.scheduler.running), queue_length=self.queue_length(),
-                    compiles_since_warmup=self.compiles_since_warmup, slots=self.slots)
+        """The counters /metrics reports, read under the lock: `submit` (another thread) may be
+        appending to the waiting queue, and iterating a deque that changes raises."""
+        with self.lock:
+            return dict(requests_total=self.requests_total, tokens_total=self.tokens_total,
+                        slots_busy=sum(r is not None for r in self.scheduler.running),
+                        queue_length=self.queue_length(), compiles_since_warmup=self.compiles_since_warmup,
+                        slots=self.slots)

@@ -7,7 +7,13 @@ XLA compiles one graph per distinct input shape (the LLaMA 65B latency post). So
 to a bucket length (one prefill graph per bucket; a prompt longer than the largest bucket is
 prefilled section by section), and every decode step feeds the same shapes: one token per
 row, its cache slot, temperature and top-p as device tensors, the generated tokens written
-into a fixed (bsz, max_seq_len) buffer with `index_copy`. The host only looks at a device
+into a fixed (bsz, max_seq_len) buffer with `index_copy`. Attention reads only the live
+context, as the engine's does: the first prefill section its own positions, later sections and
+decode steps the smallest of a few cache lengths that holds them (`scheduler.kv_buckets`, the
+smallest bucket doubled up to max_seq_len: a step reads at most twice what it needs). Each
+cache length is one more decode graph, compiled the first time a call reaches it, so a call
+compiles at most len(kv_buckets) decode graphs (`Stats.compiles` counts them), and a call
+that reaches no new length compiles nothing. The host only looks at a device
 value every `eos_check_interval` steps, to learn whether every row has produced EOS (the Llama 2 post).
 
 Sources: the LLaMA 65B latency post, "The Path to Achieve Ultra-Low Inference Latency With LLaMA 65B
@@ -15,6 +21,7 @@ on PyTorch/XLA", PyTorch blog, https://pytorch.org/blog/path-achieve-low-inferen
 Llama 2 post, "High-Performance Llama 2 Training and Inference with PyTorch/XLA on Cloud TPUs",
 PyTorch blog, https://pytorch.org/blog/high-performance-llama-2/
 """
+import random
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,11 +30,11 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 
-from .data import ByteTokenizer
 from .mesh import make_mesh
 from .metrics import count_compiles
-from .scheduler import prefill_sections
+from .scheduler import kv_buckets, prefill_sections, prefill_shapes, round_up
 from .sharding import Constraint
+from .tokenizer import ByteTokenizer, load_tokenizer  # noqa: F401  load_tokenizer: also generate's, as before
 
 
 @dataclass
@@ -62,28 +69,54 @@ class Stats:
         return {**asdict(self), **{k: getattr(self, k) for k in derived}}
 
 
-def sample(logits, temperature, top_p, greedy):
-    """Next token per row (bsz,) from logits (bsz, vocab_size); temperature and top_p are (1,) tensors."""
-    if greedy:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    probs_sort, order = probs.sort(dim=-1, descending=True)  # (bsz, vocab_size)
-    # top-p (nucleus): keep the most likely tokens whose mass before them is <= top_p
-    # (the first token always stays), renormalize, draw one.
-    drop = probs_sort.cumsum(dim=-1) - probs_sort > top_p
-    probs_sort = probs_sort.masked_fill(drop, 0.0)
-    pick = torch.multinomial(probs_sort / probs_sort.sum(dim=-1, keepdim=True), 1)  # (bsz, 1)
-    return order.gather(-1, pick)[:, 0]
+SAMPLE_TOP_K = 64  # sampling draws from at most this many of the most likely tokens
 
 
-def step(model, pin, tokens, input_pos, pad, out, out_pos, done, temperature, top_p, eos_id, greedy):
+def uniform(seed, pos, n):
+    """(B, n) numbers in (0, 1), a hash of (seed, pos, index): the same draw for a request's
+    position wherever it sits in the batch. seed, pos: (B,) int64."""
+    x = (seed[:, None] * 0x9E3779B1 + pos[:, None] * 0x85EBCA77 + torch.arange(n, device=seed.device)) & 0xFFFFFFFF
+    for _ in range(2):  # mix the bits (a 32-bit integer hash; the masks keep it in 32 bits)
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (x >> 16) ^ x
+    return ((x >> 8).float() + 0.5) / 2 ** 24  # 24 bits: exact in fp32, never 0 or 1
+
+
+def sample_rows(logits, temperature, top_p, seed, pos, top_k=None):
+    """Next token per row (B,) from logits (B, vocab_size), each row with its own temperature,
+    top_p (B,) fp32, seed (B,) int64 and top_k (B,) int64 (0 or None: SAMPLE_TOP_K): greedy where
+    temperature is 0, else top-k, then top-p, sampling. The noise is a hash of (seed, pos) (pos
+    (B,) int64: the position sampled from), not a random generator's state. `Generator` and the
+    engine both sample with this function; it keeps the SAMPLE_TOP_K most likely tokens first, so
+    no step sorts the vocabulary (vLLM's and JetStream's TPU samplers bound it the same way)."""
+    greedy = logits.argmax(dim=-1)
+    k = min(SAMPLE_TOP_K, logits.shape[-1])
+    top, order = logits.topk(k, dim=-1)  # (B, k), most likely first: no sort of the vocabulary
+    if top_k is not None:
+        rank = torch.arange(k, device=logits.device)
+        top = top.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
+    probs = torch.softmax(top / temperature.clamp(min=1e-6)[:, None], dim=-1)
+    drop = probs.cumsum(dim=-1) - probs > top_p[:, None]  # top-p: keep the tokens whose mass before them <= top_p
+    probs = probs.masked_fill(drop, 0.0)
+    # The exponential race: argmax(p / E) with E ~ Exp(1) (E = -log U) draws index i with probability p_i.
+    pick = (probs / -uniform(seed, pos, k).log()).argmax(dim=-1)  # (B,)
+    sampled = order.gather(-1, pick[:, None])[:, 0]
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+def step(model, pin, tokens, input_pos, pad, out, out_pos, done, temperature, top_p, eos_id, greedy, seed=None,
+         kv_len=None):
     """Feed tokens (bsz, seqlen) at cache slots input_pos (seqlen,); write the next token into out.
 
     The same function prefills a section (seqlen = bucket) and decodes (seqlen = 1). Every
-    value that changes between calls is a tensor, so each shape compiles once.
+    value that changes between calls is a tensor, so each shape compiles once. temperature,
+    top_p: (1,); seed (bsz,) int64, each row's (needed unless greedy): `sample_rows`. kv_len (a
+    Python int, one graph each; None: max_seq_len): attention reads the first kv_len cache slots.
     """
-    logits = model(tokens, input_pos, pad)[:, -1]  # (bsz, vocab_size)
-    nxt = sample(logits, temperature, top_p, greedy)  # (bsz,)
+    logits = model(tokens, input_pos, pad, kv_len)[:, -1]  # (bsz, vocab_size)
+    bsz = logits.shape[0]
+    nxt = logits.argmax(dim=-1) if greedy else sample_rows(  # (bsz,)
+        logits, temperature.expand(bsz), top_p.expand(bsz), seed, input_pos[-1:].expand(bsz))
     out = out.index_copy(1, out_pos, nxt[:, None])  # (bsz, max_seq_len): generated tokens so far
     done = done | (nxt == eos_id)  # (bsz,)
     nxt, out, done = pin(nxt), pin(out), pin(done)
@@ -121,10 +154,11 @@ class Generator:
 
     compile=True runs the same step through `torch.compile(backend="openxla")` (Dynamo traces
     the Python once per shape) instead of lazy tensor tracing every call; both compile one
-    XLA graph per shape.
+    XLA graph per shape. The default (None) is the engine's: compiled on a TPU, where a step
+    takes milliseconds and tracing it every token would dominate; lazy elsewhere.
     """
 
-    def __init__(self, model, buckets=(128, 256, 384, 512), eos_check_interval=10, compile=False):
+    def __init__(self, model, buckets=(128, 256, 384, 512), eos_check_interval=10, compile=None):
         buckets = check_buckets(buckets, model.args.max_seq_len)
         if not isinstance(eos_check_interval, int) or eos_check_interval < 1:
             raise ValueError(f"eos_check_interval={eos_check_interval!r} must be an int >= 1")
@@ -133,7 +167,12 @@ class Generator:
         if getattr(self.model, "mesh", None) is None:
             mark_replicated(self.model)
         self.buckets, self.eos_check_interval = buckets, eos_check_interval
+        self.kv_lens = kv_buckets(buckets, model.args.max_seq_len)
         self.pin = replicator(self.model)
+        compile = torch_xla.runtime.device_type() == "TPU" if compile is None else compile
+        if compile:  # Dynamo traces once per shape: raise its limit (8) to the shapes here, greedy and sampled
+            shapes = 2 * (len(prefill_shapes(buckets, model.args.max_seq_len)) + len(self.kv_lens))
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
         self.step = torch.compile(step, backend="openxla", fullgraph=True, dynamic=False) if compile else step
 
     @torch.no_grad()
@@ -141,27 +180,28 @@ class Generator:
         """Continue each prompt (a list of token ids) by up to max_new_tokens tokens.
 
         temperature 0 is greedy; > 0 samples from softmax(logits / temperature) restricted
-        to the top-p nucleus (seed: reproducible draws). Returns (tokens, Stats): tokens[b]
-        leaves out the prompt and ends at the first eos_id (kept) if there is one.
+        to the SAMPLE_TOP_K most likely tokens and the top-p nucleus (`sample_rows`; row b draws
+        with seed + b, so a seed reproduces the draws; None: a random one). Returns (tokens,
+        Stats): tokens[b] leaves out the prompt and ends at the first eos_id (kept) if there is one.
         """
         sections = self.check(prompt_tokens, max_new_tokens, temperature, top_p, eos_id)
-        if seed is not None:
-            torch_xla.manual_seed(seed)
+        seed = random.getrandbits(31) if seed is None else seed  # as the engine; torch's generator stays as it was
+        seeds = ((torch.arange(len(prompt_tokens)) + seed) & 0x7FFFFFFF).to(self.device)  # (bsz,)
         compiles, start = count_compiles(), time.perf_counter()
         # Shape (1,), not 0-dim: XLA bakes 0-dim zeros and ones into the graph as constants.
         sampling = [torch.tensor([v]).to(self.device) for v in  # tensors: new values, same graph
                     (float(temperature or 1.0), float(top_p), -1 if eos_id is None else eos_id)]
         sampling.append(temperature == 0)  # greedy or not: a Python bool, so two graphs
-        state, pad = self.prefill(prompt_tokens, sections, sampling)
+        state, pad = self.prefill(prompt_tokens, sections, sampling, seeds)
         xm.wait_device_ops()
         prefill_s = time.perf_counter() - start
-        state, steps = self.decode(state, pad, sampling, max_new_tokens, eos_id is not None)
+        state, steps = self.decode(state, pad, sampling, max_new_tokens, eos_id is not None, seeds, sum(sections))
         generated = state[3].cpu()[:, :steps].tolist()
         decode_s = time.perf_counter() - start - prefill_s
         stats = Stats(len(prompt_tokens), steps, len(sections), prefill_s, decode_s, count_compiles() - compiles)
         return [cut_at_eos(row, eos_id) for row in generated], stats
 
-    def prefill(self, prompt_tokens, sections, sampling):
+    def prefill(self, prompt_tokens, sections, sampling, seed=None):
         """Left-pad the prompts to sum(sections) slots and run the sections; returns (step state, pad)."""
         bsz, width = len(prompt_tokens), sum(sections)
         padded = torch.zeros(bsz, width, dtype=torch.long)  # the padding's token id never matters
@@ -174,20 +214,25 @@ class Generator:
         pos = 0
         for n in sections:  # each section writes token 0 (the same graph); the last one's is kept
             tokens, input_pos = padded[:, pos:pos + n].to(self.device), torch.arange(pos, pos + n).to(self.device)
-            state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling)
+            kv_len = n if pos == 0 else round_up(pos + n, self.kv_lens)  # a first section reads only itself
+            state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling, seed=seed,
+                              kv_len=kv_len)
             out = state[3]
             torch_xla.sync()
             pos += n
         return state, pad
 
-    def decode(self, state, pad, sampling, max_new_tokens, check_eos):
-        """Step until max_new_tokens tokens or until every row has produced EOS; returns (state, tokens)."""
+    def decode(self, state, pad, sampling, max_new_tokens, check_eos, seed, width):
+        """Step until max_new_tokens tokens or until every row has produced EOS, the first input at
+        cache slot `width` (the padded prompt's length); returns (state, tokens)."""
         steps = 1  # prefill made the first token
         while steps < max_new_tokens:
             if check_eos and steps % self.eos_check_interval == 0 and state[5].item():
                 break  # the one read of a device value, every eos_check_interval steps (Llama 2 post)
             tokens, input_pos, out_pos, out, done, _ = state
-            state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling)
+            kv_len = round_up(width + steps, self.kv_lens)  # holds the input's slot, width + steps - 1
+            state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling, seed=seed,
+                              kv_len=kv_len)
             torch_xla.sync()
             steps += 1
         return state, steps
@@ -274,12 +319,6 @@ def greedy_check(model, prompt, tokens, margin):
 
 
 # --- Text in, text out ---------------------------------------------------------------------
-
-def load_tokenizer(path):
-    """A Hugging Face tokenizer from a local directory (never the network)."""
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
 
 def llama3_chat(messages):
     """A Llama 3 chat prompt: messages [{"role": ..., "content": ...}] (or one user string),

@@ -164,6 +164,17 @@ def compiled_hlo(kind="after_optimizations.txt"):
                            "compile cache; use shapes not run before, or a fresh process")
 
 
+def aliased_parameters(module):
+    """The shapes of a compiled module's parameters that share a buffer with an output (its
+    `input_output_alias`: the program writes them in place), and of all its parameters, in order:
+    ("f32[4,128,2,16]", ...), from the module's first line."""
+    head = module.split("\n", 1)[0]
+    layout = head.split("entry_computation_layout={", 1)[1]
+    params = _elements(layout[:layout.index(")->") + 1])
+    params = [re.sub(r"^/\*index=\d+\*/|\{[^}]*\}$", "", p) for p in params]  # /*index=5*/f32[4,8]{1,0} -> f32[4,8]
+    aliased = [int(i) for i in re.findall(r"\{[\d,]*\}: \((\d+), \{[\d,]*\}, (?:may|must)-alias\)", head)]
+    return [params[i] for i in aliased], params
+
 def temp_bytes(buffer_assignment):
     """Bytes of scratch memory a compiled module needs per device while it runs: its activations
     and other intermediates, not its inputs and outputs ("preallocated-temp" in the buffer assignment)."""

@@ -34,7 +34,7 @@ from transformers import LlamaConfig
 from . import hlo
 from .cli import ArgumentParser, user_errors
 from .checkpoint import hf_reader
-from .model import Linear, Llama, ModelArgs, rope_tables, safetensors_files
+from .model import Llama, ModelArgs, rope_tables, safetensors_files
 from .sharding import axis_size, check_divisible, to_sharded
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -121,10 +121,11 @@ def shard_for_inference(model, mesh, init=None):
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
         source = init(name, tuple(t.shape)) if t.is_meta else t.detach().cpu()
-        if isinstance(module, Linear):  # stores weight.t(): place the transpose, split on the same dims
+        if leaf == "weight" and hasattr(module, "weight_t"):  # model.Linear, quantize.Int4Linear: weight.t() stored
             read = source if callable(source) else source.__getitem__
             sharded = to_sharded(lambda index: read(index[::-1]).t(), mesh, specs[name][::-1], t.shape[::-1])
-            module.weight_t = torch.nn.Parameter(sharded, requires_grad=False)
+            param = isinstance(module.weight_t, torch.nn.Parameter)  # Linear's is a parameter, Int4Linear's a buffer
+            module.weight_t = torch.nn.Parameter(sharded, requires_grad=False) if param else sharded
             continue
         sharded = to_sharded(source, mesh, specs[name], t.shape)
         if isinstance(t, torch.nn.Parameter):

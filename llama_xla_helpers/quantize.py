@@ -36,9 +36,12 @@ How the matmul runs (checked on torch_xla 2.9.0, CPU backend, and in tests/test_
 - XLA, int8: `torch.ops.xla.quantized_matmul(x, w_int8, scales)` (the op behind torch_xla's
   `XlaQuantizedLinear`). The HLO takes the weight as an s8 parameter and feeds it straight to
   a mixed dot (f32/bf16 activations x s8 weight); the scales multiply the dot's output.
-- XLA, int4: the same op's blockwise form. The packed u8 weight is the graph's parameter; the
-  graph unpacks it (and 15, divide by 16) to the op's s8 container, (in / group, group, out), and runs
-  dot(s8, activations) per group, then the per-group scales and zeros. No float copy of a
+- XLA, int4: the same op's blockwise form, which reads an s8 weight (in / group, group, out).
+  Int4Linear keeps its packed codes in that order, `weight_t` (in // 2, out) u8 (the transpose
+  of the file's `weight`, as `model.Linear` keeps its weight): the graph only splits the
+  nibbles (and 15, shift by 4, an elementwise op) and reshapes; no permute of the weight runs
+  in a forward. It runs dot(s8, activations) per group, then the per-group scales and zeros.
+  The codes stay half a byte per weight in memory and on disk. No float copy of a
   weight is a parameter of the graph. The op's own int4 option (`int4_weight=True`) also
   runs on this CPU backend but is not used: it copies the weight to the host on every call
   (`w.cpu()`) and bakes it into the graph as an s4 constant, so every call syncs and the
@@ -124,23 +127,33 @@ def unpack_int4(packed):
 
 
 class Int4Linear(nn.Module):
-    xla_path = "torch.ops.xla.quantized_matmul, blockwise (u8 packed weight unpacked in the graph)"
+    """Packed int4 codes, stored in the order the blockwise matmul reads them: `weight_t`
+    (in_features // 2, out_features) uint8, row i holding inputs 2i (low nibble) and 2i + 1.
+    As for `model.Linear`, `weight` is the (out, in // 2) view, and state_dict / load_state_dict
+    write and read that `weight` (`pack_int4`'s layout), so files keep their format."""
+    xla_path = "torch.ops.xla.quantized_matmul, blockwise (u8 packed weight, nibbles split in the graph)"
 
     def __init__(self, weight, scales, zeros):
         super().__init__()
         self.out_features, self.in_features = weight.shape[0], 2 * weight.shape[1]
         self.group_size = self.in_features // scales.shape[1]
-        self.register_buffer("weight", weight)  # (out_features, in_features // 2) uint8, packed
+        self.register_buffer("weight_t", weight.t().contiguous())  # (in_features // 2, out_features) uint8
         self.register_buffer("scales", scales)  # (out_features, in_features // group_size)
         self.register_buffer("zeros", zeros)    # (out_features, in_features // group_size)
+        self.register_state_dict_post_hook(Linear.save_as_weight)
+        self.register_load_state_dict_pre_hook(Linear.load_from_weight)
+
+    @property
+    def weight(self):
+        return self.weight_t.t()  # (out_features, in_features // 2), a view
 
     def dequantize(self):
         return dequantize_int4(unpack_int4(self.weight), self.scales, self.zeros)
 
     def forward(self, x):
         if x.device.type == "xla":
-            q = unpack_int4(self.weight).to(torch.int8)  # (out, in); codes 0..15 fit in int8
-            q = q.view(self.out_features, -1, self.group_size).permute(1, 2, 0)  # (n_groups, group_size, out)
+            q = torch.stack([self.weight_t & 15, self.weight_t >> 4], dim=1)  # (in // 2, 2, out): inputs 2i, 2i + 1
+            q = q.to(torch.int8).view(-1, self.group_size, self.out_features)  # (n_groups, group_size, out): a reshape
             # In fp32 whatever x's dtype: with a zero point, the block sums of x @ q and of x * zero are both
             # large and nearly cancel; in bf16 each rounds first (bf16 greedy tokens then agreed with fp32's
             # on 93% of positions, 99% this way: tests/test_quantize.py). Decoding is memory-bound: the

@@ -28,10 +28,13 @@ Endpoints, with OpenAI's names and defaults:
 - POST /v1/chat/completions: messages, max_tokens / max_completion_tokens (default: the room left
   in the context), logprobs (true) with top_logprobs (0-20).
 - Both: model, temperature (default 1; 0 is greedy), top_p, top_k (vLLM's extension: at most
-  engine.SAMPLE_TOP_K; 0 or -1, no limit), seed (choice j of n uses seed + j), n (choices per
-  prompt, up to MAX_N), stop (up to 4 non-empty strings), stream, stream_options.include_usage,
-  user. Log-probabilities are the model's, before temperature and top-k/top-p. Any other field
-  is refused with a 400 that names it; presence_penalty, frequency_penalty, logit_bias, suffix,
+  engine.SAMPLE_TOP_K; 0 or -1 sets no limit of its own, so sampling keeps the engine's bound,
+  the SAMPLE_TOP_K = 64 most likely tokens, as vLLM's and JetStream's TPU samplers do), seed
+  (choice j of n uses seed + j), n (choices per prompt, up to MAX_N), stop (up to 4 non-empty
+  strings), stream, stream_options.include_usage, user. Log-probabilities are the model's, before
+  temperature and top-k/top-p; a token whose bytes are not UTF-8 on their own (a byte token) is
+  written `bytes:\\xc3` as OpenAI does, never U+FFFD. Any other field is refused with a 400 that
+  names it; presence_penalty, frequency_penalty, logit_bias, suffix,
   best_of, response_format, tools and tool_choice are refused unless they ask for nothing.
   Responses carry `usage` (summed over the choices) and `finish_reason` ("stop": an EOS id of the
   model (the tokenizer's and all of those in its config.json and generation_config.json) or a
@@ -117,14 +120,15 @@ from transformers import GenerationConfig, LlamaConfig
 
 from . import checkpoint
 from .cli import ArgumentParser, add_compile_cache_args, int_list, user_errors
-from .data import TOKENIZER_FILES, ByteTokenizer
+from .detokenize import token_bytes, token_key
 from .engine import SAMPLE_TOP_K, TOP_LOGPROBS, Engine, QueueFull
-from .generate import check_buckets, load_tokenizer
+from .generate import check_buckets
 from .mesh import make_mesh, mesh_shape
 from .model import Llama, ModelArgs
 from .parallel import check_tensor_parallel, replicate_kv_heads, shard_for_inference
 from .quantize import quantize as quantize_model
-from .runtime import default_dtype, init_runtime
+from .runtime import accelerator_type, default_dtype, init_runtime, multi_host_slice
+from .tokenizer import TOKENIZER_FILES, ByteTokenizer, load_tokenizer
 from .train import DTYPES, TOKENIZER_DIR, TrainConfig, build_model, mesh_arg, model_config
 
 MAX_SEQ_LEN = 2048  # the default cache length: max_position_embeddings, capped here
@@ -225,6 +229,17 @@ def read_weights(path, step, config, args):
     return Llama.from_state_dict(args, {name: t.cpu() for name, t in hf.state_dict().items()})
 
 
+def check_one_host():
+    """ValueError, before the runtime starts, on one host of a multi-host TPU slice (known from its type:
+    `runtime.multi_host_slice`). There the runtime's start waits for every host's process, forever when
+    only this one serves; after the start, `load_engine` also refuses a job of several processes."""
+    hosts = multi_host_slice()
+    if hosts:
+        raise ValueError(f"{accelerator_type()} is a slice of {hosts} hosts and serve runs on one host: started here "
+                         f"alone, the TPU runtime would wait for the other hosts forever. Serve from a single-host "
+                         f"slice (v4-8, v5p-8, v5litepod-8, v6e-8)")
+
+
 def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buckets=None, dtype=None,
                 quantize=None):
     """(Engine, tokenizer) for the model at `path`, not yet warmed up. Every argument is checked
@@ -242,8 +257,9 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     buckets = tuple(buckets or [b for b in BUCKETS if 2 * b <= max_seq_len] or [max_seq_len // 2])
     check_lengths(config, max_seq_len, buckets)
     tokenizer = read_tokenizer(path, step, config)
+    check_one_host()
     init_runtime(cpu_devices=math.prod(mesh) if mesh else None)
-    if xr.process_count() > 1:
+    if xr.process_count() > 1:  # a slice whose type gives no host count (GKE's names)
         raise ValueError(f"this is one of {xr.process_count()} hosts: the engine steps only on the host that got "
                          f"the request, and the others would wait in its collectives forever. Serve from a "
                          f"single-host TPU VM, or on a pod call Generator.generate with the same prompts on "
@@ -324,7 +340,9 @@ class Sampling(BaseModel):
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = Field(0, ge=-1, le=SAMPLE_TOP_K)  # vLLM's extension: 0 or -1, no limit
+    top_k: int = Field(0, ge=-1, le=SAMPLE_TOP_K, description=(  # vLLM's extension
+        f"sample from the top_k most likely tokens; 0 or -1: no limit of the request's own, so the engine's: "
+        f"the {SAMPLE_TOP_K} most likely (engine.SAMPLE_TOP_K)"))
     seed: int | None = None
     stop: str | list[str] | None = None  # up to 4 (`check_supported`), non-empty (the engine checks)
     stream: bool = False
@@ -569,24 +587,20 @@ async def updates(queue, n):
         yield update
 
 
-def token_text(tokenizer, token):
-    return tokenizer.decode([token])
-
-
 def completion_logprobs(tokenizer, entries, tokens, offset=0):
-    """OpenAI's completions `logprobs` of tokens with their engine entries (None for a prompt's first)."""
-    texts = [token_text(tokenizer, t) for t in tokens]
-    offsets = list(itertools.accumulate([len(t) for t in texts[:-1]], initial=offset))
-    return dict(tokens=texts, token_logprobs=[e and e[0] for e in entries],
-                top_logprobs=[e and {token_text(tokenizer, i): v for i, v in e[1]} for e in entries],
-                text_offset=offsets)
+    """OpenAI's completions `logprobs` of tokens with their engine entries (None for a prompt's
+    first). A token that is not UTF-8 alone is written `bytes:\\xNN` (`detokenize.token_key`)."""
+    lengths = [len(tokenizer.decode([t])) for t in tokens[:-1]]
+    return dict(tokens=[token_key(tokenizer, t) for t in tokens], token_logprobs=[e and e[0] for e in entries],
+                top_logprobs=[e and {token_key(tokenizer, i): v for i, v in e[1]} for e in entries],
+                text_offset=list(itertools.accumulate(lengths, initial=offset)))
 
 
 def chat_logprobs(tokenizer, entries, tokens):
-    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}, `bytes` the
+    token's own (`detokenize.token_bytes`)."""
     def item(token, value):
-        text = token_text(tokenizer, token)
-        return dict(token=text, logprob=value, bytes=list(text.encode()))
+        return dict(token=token_key(tokenizer, token), logprob=value, bytes=list(token_bytes(tokenizer, token)))
     return dict(content=[item(t, v) | dict(top_logprobs=[item(i, w) for i, w in top])
                          for t, (v, top) in zip(tokens, entries)])
 
@@ -944,6 +958,7 @@ def main(argv=None):
         print(f"warning: serving on {args.host} without an API key, for anyone who reaches the port; pass "
               f"--api-key KEY or set LLAMA_XLA_API_KEY", file=sys.stderr, flush=True)
     with user_errors(args.debug):
+        check_one_host()
         init_runtime(math.prod(args.mesh) if args.mesh else None, cache_dir=args.compile_cache,
                      cache_readonly=args.compile_cache_readonly)  # the cache before anything compiles
         sock = listen(args.host, args.port)

@@ -1,13 +1,14 @@
 """Incremental text: the same text as decoding everything, with a few tokens of work per token,
 for a SentencePiece-style tokenizer (which drops the space of the text's first word) and a
-byte-level one (which splits characters over tokens); stop strings are cut as they complete."""
+byte-level one (which splits characters over tokens); stop strings are cut as they complete.
+A token that is not UTF-8 alone is keyed by its bytes, as OpenAI writes it, with every tokenizer."""
 import json
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from llama_xla_helpers.data import load_corpus
-from llama_xla_helpers.detokenize import CONTEXT, TextStream
+from llama_xla_helpers.data import ByteTokenizer, load_corpus, small_tokenizer
+from llama_xla_helpers.detokenize import BYTE_LEVEL, CONTEXT, TextStream, token_bytes, token_key
 
 TEXT = "The café's naïve déjà vu: 日本語のテキスト 🦙🦙 and  two spaces, then more words.\n\nEnd."
 
@@ -74,3 +75,30 @@ def test_stop_strings_end_the_text_before_them_even_across_tokens():
             stream.add(t)
         stream.flush()
         assert (stream.text, stream.stopped) == ((want, True) if want else (decode(data), False))
+
+
+BYTE_ID = {  # the id of one byte's token
+    ByteTokenizer: lambda tok, b: b,
+    sentencepiece_style: lambda tok, b: tok.token_to_id(f"<0x{b:02X}>"),
+    byte_level: lambda tok, b: tok.token_to_id({v: c for c, v in BYTE_LEVEL.items()}[b]),
+    small_tokenizer: lambda tok, b: tok.convert_tokens_to_ids({v: c for c, v in BYTE_LEVEL.items()}[b]),
+}
+
+
+@pytest.mark.parametrize("make", list(BYTE_ID), ids=lambda f: f.__name__)
+def test_a_token_that_is_not_utf8_alone_is_keyed_by_its_bytes_as_openai_does(make):
+    tok = make()
+    c3, a9, a = (BYTE_ID[make](tok, b) for b in (0xC3, 0xA9, ord("A")))  # "é" is C3 A9
+    assert len({c3, a9, a}) == 3 and tok.decode([c3]) == tok.decode([a9]) == "\ufffd"  # two tokens, one text
+    assert (token_key(tok, c3), token_key(tok, a9), token_key(tok, a)) == ("bytes:\\xc3", "bytes:\\xa9", "A")
+    assert (token_bytes(tok, c3), token_bytes(tok, a9), token_bytes(tok, a)) == (b"\xc3", b"\xa9", b"A")
+
+
+def test_the_byte_level_alphabet_is_the_tokenizers():
+    tok = byte_level()
+    assert set(BYTE_LEVEL) == set(pre_tokenizers.ByteLevel.alphabet())
+    assert sorted(BYTE_LEVEL.values()) == list(range(256))
+    for c, b in BYTE_LEVEL.items():  # each byte inside a whole character: ASCII alone, a continuation after C2
+        if b < 0xC0:
+            seq = [b] if b < 0x80 else [0xC2, b]
+            assert tok.decode([BYTE_ID[byte_level](tok, x) for x in seq]) == bytes(seq).decode(), hex(b)

@@ -2,10 +2,13 @@
 tensor-parallel), nothing compiles after warm-up (and a compile raises), bad requests fail
 alone, the queue is bounded, requests finish on EOS / stop strings / max_tokens or cancel."""
 import functools
+import re
+import threading
 
 import pytest
 import torch
 
+from llama_xla_helpers import hlo
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.engine import SAMPLE_TOP_K, Engine, QueueFull, RecompileError, row_counts, sample_rows
 from llama_xla_helpers.generate import Generator
@@ -208,6 +211,20 @@ def test_cancel_frees_the_slot():
     assert second.tokens == expected()[1]
 
 
+def test_metrics_reads_the_queue_under_the_engines_lock():
+    """/metrics runs in the server's thread while `submit` appends to the waiting queue (under the
+    lock): metrics() reads under the lock too, else iterating the deque can raise "deque mutated
+    during iteration"."""
+    eng, out = shared_engine(), []
+    with eng.lock:  # another thread inside submit
+        reader = threading.Thread(target=lambda: out.append(eng.metrics()))
+        reader.start()
+        reader.join(timeout=0.5)
+        assert reader.is_alive() and not out, "metrics() did not wait for the engine's lock"
+    reader.join()
+    assert out[0]["queue_length"] == 0 and out[0]["slots"] == eng.slots
+
+
 def test_sampling_is_per_request_and_reproducible():
     eng, p = shared_engine(), prompts()[0]
     alone = run(eng, [eng.submit(p, 12, temperature=0.8, seed=7)])[0].tokens
@@ -218,6 +235,16 @@ def test_sampling_is_per_request_and_reproducible():
     # top_p so small that only the most likely token is left: sampling gives the greedy tokens.
     nucleus = run(eng, [eng.submit(p, 10, temperature=1.0, top_p=1e-6, seed=3)])[0].tokens
     assert nucleus == expected()[0]
+
+
+def test_generator_samples_with_the_engines_sampler():
+    """One sampler (`generate.sample_rows`, noise from (seed, position)): Generator's row seeded s
+    draws the tokens the engine's request seeded s draws."""
+    gen = Generator(Llama.from_hf(hf(), max_batch_size=1, max_seq_len=MAX_SEQ_LEN), buckets=BUCKETS)
+    eng, p = shared_engine(), prompts()[2]
+    want = run(eng, [eng.submit(p, 12, temperature=0.9, top_p=0.95, seed=11)])[0].tokens
+    assert want != expected()[2]  # sampled, not greedy
+    assert gen.generate([p], 12, temperature=0.9, top_p=0.95, seed=11)[0] == [want]
 
 
 def test_sample_rows_draws_from_the_softmax():
@@ -323,3 +350,29 @@ def test_log_probabilities_are_a_log_softmax_of_hugging_faces_logits():
     echo = reqs[0].prompt_token_logprobs
     assert len(echo) == len(p) - 1 and not reqs[1].prompt_token_logprobs
     assert [v for v, _ in echo] == pytest.approx([lp[i, p[i + 1]].item() for i in range(len(p) - 1)], abs=1e-4)
+
+
+COPIES_BACK = pytest.mark.xfail(strict=True, reason=(
+    "issue 40: torch.compile's openxla bridge returns each cache the program writes and copies it back "
+    "into the model's buffer (`args[i].copy_(res[i])`), which the next sync runs as a lazy graph with "
+    "every cache as a new output: a full copy per step, donated or not (measured)"))
+
+
+@pytest.mark.parametrize("runner,compile", [("engine", False), pytest.param("engine", True, marks=COPIES_BACK),
+                                            pytest.param("generator", True, marks=COPIES_BACK)])
+def test_every_program_writes_the_kv_caches_in_place(runner, compile):
+    """Each program that writes the KV caches aliases them input to output (`hlo.aliased_parameters`):
+    the caches are updated where they are, never copied. The lazy path's XLA does so on its own; the
+    compiled path does not yet. Shapes no other test compiles, so every program compiles here."""
+    model = Llama.from_hf(hf(), max_batch_size=3, max_seq_len=64)
+    layers, cache = len(model.layers), model.layers[0].self_attn.kv_cache.k_cache  # (3, 64, n_kv_heads, head_dim)
+    dtype = {torch.float32: "f32", torch.bfloat16: "bf16"}[cache.dtype]
+    is_cache = re.compile(rf"{dtype}\[\d+,{','.join(map(str, cache.shape[1:]))}\]").fullmatch  # any row count
+    with hlo.compiled_hlo() as modules:
+        if runner == "engine":
+            Engine(model, slots=3, buckets=(8, 16), compile=compile).warmup()
+        else:
+            Generator(model, buckets=(8, 16), compile=compile).generate([[1, 2, 3]], 4)
+    writes = [[p for p in hlo.aliased_parameters(m)[0] if is_cache(p)] for m in modules
+              if any(map(is_cache, hlo.aliased_parameters(m)[1]))]
+    assert writes and all(len(w) == 2 * layers for w in writes), [len(w) for w in writes]

@@ -4,13 +4,15 @@ import functools
 
 import pytest
 import torch
+import torch_xla.runtime
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer
+from llama_xla_helpers import generate
 from llama_xla_helpers.generate import (Generator, generate_text, greedy_check, llama3_chat, load_tokenizer,
-                                        prefill_sections, sample)
+                                        prefill_sections, sample_rows)
 from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
 from util import hf_model, teacher_forced_agreement
@@ -77,16 +79,19 @@ def test_greedy_matches_hugging_face(variant):
     assert stats.compiles <= 2 + 2  # buckets 32 and 128, the decode step (+1 spare)
 
 
-def test_compiles_do_not_grow_with_new_tokens():
-    gen = small_generator()
-    batch = prompts((3, 20))  # bucket 32 only
+def test_compiles_grow_with_the_cache_lengths_reached_not_with_new_tokens():
+    gen = small_generator()  # kv lengths (16, 32, 64, 128, 256, 320)
+    batch = prompts((3, 20))  # bucket 16 for the first prompt alone, 32 for both
     counts = []
     for bsz, n in ((1, 64), (2, 256)):  # a fresh batch size each: nothing comes from the cache
         tokens, stats = gen.generate(batch[:bsz], n)
         assert [len(t) for t in tokens] == [n] * bsz
         counts.append(stats.compiles)
-    assert counts[0] == counts[1] <= 1 + 2, counts  # buckets used + 2
+    # the prefill bucket, and one decode graph per cache length reached: inputs at slots 16-78 read
+    # 32, 64, 128 slots; at slots 32-286, 64, 128, 256, 320
+    assert counts == [1 + 3, 1 + 4], counts
     assert gen.generate(batch, 100)[1].compiles == 0
+    assert gen.kv_lens == (16, 32, 64, 128, 256, 320)
 
 
 def test_a_bf16_model_compiles_nothing_on_the_second_call():
@@ -131,14 +136,16 @@ def test_sampling_reproducible_and_no_recompile():
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 0.7), (0.5, 0.7), (2.0, 0.9), (1.0, 1.0)])
 def test_top_p_draws_from_the_renormalized_nucleus(temperature, top_p):
-    """`sample` on the CPU, seeded: 20,000 draws from one row of logits."""
+    """`sample_rows` (Generator's and the engine's sampler) on the CPU: 20,000 draws from one row
+    of logits, one seed each."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
     probs = torch.softmax(logits / temperature, dim=-1)  # temperature scales the logits
     before = probs.cumsum(0) - probs                     # mass of the more likely tokens (sorted already)
     nucleus = before <= top_p                            # the most likely tokens up to top_p, at least one
     expected = torch.where(nucleus, probs, 0.0) / probs[nucleus].sum()
-    torch.manual_seed(0)
-    draws = sample(logits.expand(20_000, -1), torch.tensor([temperature]), torch.tensor([top_p]), greedy=False)
+    n = 20_000
+    draws = sample_rows(logits.expand(n, -1), torch.full((n,), temperature), torch.full((n,), top_p),
+                        torch.arange(n), torch.zeros(n, dtype=torch.long))
     freq = torch.bincount(draws, minlength=len(logits)) / len(draws)
     assert (freq[~nucleus] == 0).all()                   # never a token outside the nucleus
     assert (freq[nucleus] > 0).all()
@@ -175,6 +182,15 @@ def test_torch_compile_variant_matches_lazy():
     assert tokens == lazy
     assert stats.compiles <= 1 + 2
     assert dynamo.generate(batch, 30)[1].compiles == 0
+
+
+def test_compile_defaults_to_the_engines_choice_torch_compile_on_a_tpu(monkeypatch):
+    model = small_generator().model
+    assert Generator(model, buckets=BUCKETS).step is generate.step  # the CPU: lazy tracing
+    monkeypatch.setattr(torch_xla.runtime, "device_type", lambda: "TPU")
+    monkeypatch.setattr(generate, "mark_replicated", lambda model: None)  # a TPU's mesh needs TPU devices
+    assert Generator(model, buckets=BUCKETS).step is not generate.step  # Dynamo's wrapper
+    assert Generator(model, buckets=BUCKETS, compile=False).step is generate.step
 
 
 @pytest.fixture(scope="module")

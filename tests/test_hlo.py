@@ -15,7 +15,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from llama_xla_helpers.hlo import (BUFFER_ASSIGNMENT, check_count, collectives, compiled_hlo, exact_on_cpu,
+from llama_xla_helpers.hlo import (BUFFER_ASSIGNMENT, aliased_parameters, check_count, collectives, compiled_hlo, exact_on_cpu,
                                    instructions, op_count, partitioner_warnings, temp_bytes)
 from llama_xla_helpers.mesh import make_mesh
 
@@ -176,3 +176,13 @@ def test_partitioner_warnings_are_collected_and_other_stderr_passes_through(capf
                        "f32[16,1,47,16]{3,2,1,0}", "broadcast")]
     err = capfd.readouterr().err
     assert "another message from XLA" in err and "Involuntary" not in err
+
+
+def test_aliased_parameters_reads_the_modules_first_line():
+    head = ("HloModule SyncTensorsGraph.7, is_scheduled=true, input_output_alias={ {0}: (2, {}, may-alias), "
+            "{1}: (5, {}, must-alias) }, entry_computation_layout={(s64[4]{0}, f32[8]{0}, f32[3,64,4,16]{3,2,1,0}, "
+            "f32[]{:T(128)}, bf16[2,8]{1,0:T(8,128)(2,1)}, /*index=5*/f32[3,64,4,16]{3,2,1,0})->(f32[3,64,4,16]{3,2,1,0}, "
+            "f32[3,64,4,16]{3,2,1,0})}, num_partitions=8\nENTRY %main {}")
+    aliased, params = aliased_parameters(head)
+    assert params == ["s64[4]", "f32[8]", "f32[3,64,4,16]", "f32[]", "bf16[2,8]", "f32[3,64,4,16]"]
+    assert aliased == ["f32[3,64,4,16]", "f32[3,64,4,16]"]

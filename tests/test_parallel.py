@@ -109,9 +109,9 @@ def test_quantized_tensor_parallel_matches_one_device(scheme, group_size, lm_hea
         assert (shard_shape(q.weight), shard_shape(q.scales)) == ((16, 128), (16,))  # column: split out
         assert (shard_shape(o.weight), shard_shape(o.scales)) == ((128, 16), (128,))  # row: split in
         assert shard_shape(model.lm_head.scales) == (33,)
-    else:  # packed codes (out, in // 2) uint8, scales and zeros (out, in // group_size)
-        assert (shard_shape(q.weight), shard_shape(q.zeros)) == ((16, 64), (16, 128 // group_size))
-        assert shard_shape(down.weight) == (128, 384 // 2 // 8)
+    else:  # packed codes stored (in // 2, out) uint8, scales and zeros (out, in // group_size)
+        assert (shard_shape(q.weight_t), shard_shape(q.zeros)) == ((64, 16), (16, 128 // group_size))
+        assert shard_shape(down.weight_t) == (384 // 2 // 8, 128)
         groups = (128 // group_size, 384 // group_size)
         split = tuple(g // 8 for g in groups) if row_groups_split else groups
         assert (shard_shape(o.scales)[1], shard_shape(down.zeros)[1]) == split

@@ -164,10 +164,13 @@ def test_quantized_model_on_xla_matches_cpu(scheme):
 
     model.to(torch_xla.device())
     out = run(torch_xla.device())
-    params = [l for l in torch_xla._XLAC._get_xla_tensors_hlo([out]).splitlines() if "parameter(" in l]
-    stored = "s8[128,128]" if scheme == "int8" else "u8[128,64]"  # q_proj and o_proj, as stored
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([out]).splitlines()
+    params = [l for l in hlo if "parameter(" in l]
+    stored = "s8[128,128]" if scheme == "int8" else "u8[64,128]"  # q_proj and o_proj, as stored (int4: in // 2, out)
     assert any(stored in l for l in params), f"no {stored} weight parameter in the graph"
     assert not any("f32[128,128]" in l for l in params), "a float copy of a weight reached the graph"
+    if scheme == "int4":  # the codes are stored as the blockwise matmul reads them
+        assert not any(" transpose(" in l and ("s8[" in l or "u8[" in l) for l in hlo), "the graph permutes a weight"
     torch.testing.assert_close(out.cpu(), cpu, atol=1e-4, rtol=0)
 
 

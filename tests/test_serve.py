@@ -836,3 +836,36 @@ def test_settled_text_holds_back_what_may_still_change():
     assert serve.settled("abc\n", ("\n\n",)) == "abc"  # may become the stop string
     assert serve.settled("abc", ("xyz", "cd")) == "ab"
     assert serve.settled("abc", ("xyz",)) == "abc"
+
+
+def test_top_logprobs_keep_distinct_tokens_apart_writing_bytes_as_openai_does():
+    c3, a9 = "é".encode()  # the byte tokenizer's ids 0xC3 and 0xA9 both decode to U+FFFD alone
+    entries = [(-0.1, [(c3, -0.1), (a9, -2.0), (ord("A"), -3.0)])]
+    lp = serve.completion_logprobs(TOK, entries + [(-0.2, [])], [c3, a9])
+    assert lp["tokens"] == ["bytes:\\xc3", "bytes:\\xa9"]
+    assert lp["top_logprobs"][0] == {"bytes:\\xc3": -0.1, "bytes:\\xa9": -2.0, "A": -3.0}  # three entries, not two
+    assert lp["text_offset"] == [0, 1]  # offsets count the decoded text, not the keys
+    chat = serve.chat_logprobs(TOK, entries, [c3])["content"][0]
+    assert (chat["token"], chat["bytes"]) == ("bytes:\\xc3", [0xC3])
+    assert [(t["token"], t["bytes"]) for t in chat["top_logprobs"]] == [
+        ("bytes:\\xc3", [0xC3]), ("bytes:\\xa9", [0xA9]), ("A", [0x41])]
+
+
+@pytest.mark.child_process
+def test_one_host_of_a_multi_host_slice_is_refused_before_the_runtime_starts(tmp_path, monkeypatch):
+    """On one host of a v4-16 (2 hosts) the runtime's start would wait for the other host forever:
+    serve reads the slice's size from its type first and exits 2 with one line, the runtime not started
+    (init_runtime prints nothing). The folder need not exist: nothing is read."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("ACCELERATOR_TYPE", "v4-16")  # the child inherits this process's environment
+    out = subprocess.run(SERVE + [str(tmp_path / "none"), "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert one_error_line(out.returncode, out.stderr, "v4-16 is a slice of 2 hosts and serve runs on one host"), \
+        out.stderr[-2000:]
+    assert "Serve from a single-host slice (v4-8, v5p-8, v5litepod-8, v6e-8)" in out.stderr and out.stdout == ""
+
+
+def test_load_engine_refuses_a_multi_host_slice_before_the_runtime_starts(model_dir, monkeypatch):
+    monkeypatch.setenv("ACCELERATOR_TYPE", "v5litepod-16")
+    monkeypatch.setattr(serve, "init_runtime", lambda *a, **k: pytest.fail("the runtime started"))
+    with pytest.raises(ValueError, match="v5litepod-16 is a slice of 4 hosts and serve runs on one host"):
+        serve.load_engine(model_dir)
