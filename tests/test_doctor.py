@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
@@ -144,11 +145,13 @@ def test_the_memory_measure_is_one_graph_of_dependent_passes():
     x = torch.arange(n * 1000, dtype=torch.float32, device=torch_xla.device())  # a shape no other test compiles
     xs.mark_sharding(x, make_mesh((n,), ("data",)), ("data",))
     torch_xla.sync()
+    xm.wait_device_ops()  # executions are counted when they end, after sync returns: count none of x's
     count = lambda: [(met.metric_data(name) or [0])[0] for name in ("CompileTime", "ExecuteReplicatedTime")]
     before = count()
     with compiled_hlo() as modules:
         out = doctor.memory_passes(x, 5)
         torch_xla.sync()
+        xm.wait_device_ops()
     assert [after - b for after, b in zip(count(), before)] == [1, 1]  # compiled once, run once
     assert torch.equal(out.cpu(), 1 - torch.arange(n * 1000.0))  # 5 passes of 1 - x: an odd number
     [module] = modules
