@@ -28,12 +28,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.distributed.spmd as xs
 
-from .mesh import make_mesh
 from .metrics import count_compiles
+from .runner import Caches, attach, compiled, mark_replicated, replicator
+from .sampling import SAMPLE_TOP_K, sample_rows  # noqa: F401  SAMPLE_TOP_K: also generate's, as before
 from .scheduler import kv_buckets, prefill_sections, prefill_shapes, round_up
-from .sharding import Constraint
 from .tokenizer import ByteTokenizer, load_tokenizer  # noqa: F401  load_tokenizer: also generate's, as before
 
 
@@ -69,83 +68,26 @@ class Stats:
         return {**asdict(self), **{k: getattr(self, k) for k in derived}}
 
 
-SAMPLE_TOP_K = 64  # sampling draws from at most this many of the most likely tokens
-
-
-def uniform(seed, pos, n):
-    """(B, n) numbers in (0, 1), a hash of (seed, pos, index): the same draw for a request's
-    position wherever it sits in the batch. seed, pos: (B,) int64."""
-    x = (seed[:, None] * 0x9E3779B1 + pos[:, None] * 0x85EBCA77 + torch.arange(n, device=seed.device)) & 0xFFFFFFFF
-    for _ in range(2):  # mix the bits (a 32-bit integer hash; the masks keep it in 32 bits)
-        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (x >> 16) ^ x
-    return ((x >> 8).float() + 0.5) / 2 ** 24  # 24 bits: exact in fp32, never 0 or 1
-
-
-def sample_rows(logits, temperature, top_p, seed, pos, top_k=None):
-    """Next token per row (B,) from logits (B, vocab_size), each row with its own temperature,
-    top_p (B,) fp32, seed (B,) int64 and top_k (B,) int64 (0 or None: SAMPLE_TOP_K): greedy where
-    temperature is 0, else top-k, then top-p, sampling. The noise is a hash of (seed, pos) (pos
-    (B,) int64: the position sampled from), not a random generator's state. `Generator` and the
-    engine both sample with this function; it keeps the SAMPLE_TOP_K most likely tokens first, so
-    no step sorts the vocabulary (vLLM's and JetStream's TPU samplers bound it the same way)."""
-    greedy = logits.argmax(dim=-1)
-    k = min(SAMPLE_TOP_K, logits.shape[-1])
-    top, order = logits.topk(k, dim=-1)  # (B, k), most likely first: no sort of the vocabulary
-    if top_k is not None:
-        rank = torch.arange(k, device=logits.device)
-        top = top.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
-    probs = torch.softmax(top / temperature.clamp(min=1e-6)[:, None], dim=-1)
-    drop = probs.cumsum(dim=-1) - probs > top_p[:, None]  # top-p: keep the tokens whose mass before them <= top_p
-    probs = probs.masked_fill(drop, 0.0)
-    # The exponential race: argmax(p / E) with E ~ Exp(1) (E = -log U) draws index i with probability p_i.
-    pick = (probs / -uniform(seed, pos, k).log()).argmax(dim=-1)  # (B,)
-    sampled = order.gather(-1, pick[:, None])[:, 0]
-    return torch.where(temperature > 0, sampled, greedy)
-
-
-def step(model, pin, tokens, input_pos, pad, out, out_pos, done, temperature, top_p, eos_id, greedy, seed=None,
-         kv_len=None):
+def step(model, views, caches, pin, tokens, input_pos, pad, out, out_pos, done, temperature, top_p, eos_id, greedy,
+         seed=None, kv_len=None):
     """Feed tokens (bsz, seqlen) at cache slots input_pos (seqlen,); write the next token into out.
 
-    The same function prefills a section (seqlen = bucket) and decodes (seqlen = 1). Every
-    value that changes between calls is a tensor, so each shape compiles once. temperature,
-    top_p: (1,); seed (bsz,) int64, each row's (needed unless greedy): `sample_rows`. kv_len (a
-    Python int, one graph each; None: max_seq_len): attention reads the first kv_len cache slots.
+    A program for `runner.Caches.run` (views, caches: the KV caches in and out, so a compiled step
+    updates them in place). The same function prefills a section (seqlen = bucket) and decodes
+    (seqlen = 1); the LM head runs at the last position only. Every value that changes between
+    calls is a tensor, so each shape compiles once. temperature, top_p: (1,); seed (bsz,) int64,
+    each row's (needed unless greedy): `sample_rows`. kv_len (a Python int, one graph each; None:
+    max_seq_len): attention reads the first kv_len cache slots.
     """
-    logits = model(tokens, input_pos, pad, kv_len)[:, -1]  # (bsz, vocab_size)
+    attach(views, caches)
+    logits = model(tokens, input_pos, pad, kv_len, last_only=True)[:, -1]  # (bsz, vocab_size)
     bsz = logits.shape[0]
     nxt = logits.argmax(dim=-1) if greedy else sample_rows(  # (bsz,)
         logits, temperature.expand(bsz), top_p.expand(bsz), seed, input_pos[-1:].expand(bsz))
     out = out.index_copy(1, out_pos, nxt[:, None])  # (bsz, max_seq_len): generated tokens so far
     done = done | (nxt == eos_id)  # (bsz,)
     nxt, out, done = pin(nxt), pin(out), pin(done)
-    return nxt[:, None], input_pos[-1:] + 1, out_pos + 1, out, done, done.all()
-
-
-def mark_replicated(model):
-    """Give every tensor of an unsharded model on the XLA device a 'replicated' sharding now.
-
-    torch_xla gives them that sharding after the first execution anyway. Marked only then, the
-    second call's graph differs: a bf16 model's norm weights feed a `convert` that now carries
-    `sharding={replicated}`, so the prefill graph hashes differently and compiles once more.
-    """
-    mesh = make_mesh()
-    for t in list(model.parameters()) + list(model.buffers()):
-        xs.mark_sharding(t, mesh, (None,) * t.dim())
-
-
-def replicator(model):
-    """On a sharded model (`model.mesh`), a function that pins a 1-D to 3-D tensor to 'replicated'.
-
-    The step's inputs are replicated; pinning its outputs too gives every step the same
-    input shardings (one graph) and lets the host read them without a gather.
-    """
-    mesh = getattr(model, "mesh", None)
-    if mesh is None:
-        return lambda t: t
-    constraints = {n: Constraint("generation state", mesh, (None,) * n) for n in (1, 2, 3)}
-    return lambda t: constraints[t.dim()](t)
+    return nxt[:, None], input_pos[-1:] + 1, out_pos + 1, out, done, done.all(), [(v.k, v.v) for v in views]
 
 
 class Generator:
@@ -154,8 +96,9 @@ class Generator:
 
     compile=True runs the same step through `torch.compile(backend="openxla")` (Dynamo traces
     the Python once per shape) instead of lazy tensor tracing every call; both compile one
-    XLA graph per shape. The default (None) is the engine's: compiled on a TPU, where a step
-    takes milliseconds and tracing it every token would dominate; lazy elsewhere.
+    XLA graph per shape, and both update the KV caches in place (`runner.Caches`: a compiled
+    step's caches are donated). The default (None) is the engine's: compiled on a TPU, where a
+    step takes milliseconds and tracing it every token would dominate; lazy elsewhere.
     """
 
     def __init__(self, model, buckets=(128, 256, 384, 512), eos_check_interval=10, compile=None):
@@ -170,10 +113,9 @@ class Generator:
         self.kv_lens = kv_buckets(buckets, model.args.max_seq_len)
         self.pin = replicator(self.model)
         compile = torch_xla.runtime.device_type() == "TPU" if compile is None else compile
-        if compile:  # Dynamo traces once per shape: raise its limit (8) to the shapes here, greedy and sampled
-            shapes = 2 * (len(prefill_shapes(buckets, model.args.max_seq_len)) + len(self.kv_lens))
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
-        self.step = torch.compile(step, backend="openxla", fullgraph=True, dynamic=False) if compile else step
+        shapes = 2 * (len(prefill_shapes(buckets, model.args.max_seq_len)) + len(self.kv_lens))  # greedy, sampled
+        self.step = compiled(step, shapes) if compile else step
+        self.caches = Caches(self.model, compile)  # the model's KV caches, in and out of each step
 
     @torch.no_grad()
     def generate(self, prompt_tokens, max_new_tokens, temperature=0.0, top_p=1.0, eos_id=None, seed=None):
@@ -215,10 +157,9 @@ class Generator:
         for n in sections:  # each section writes token 0 (the same graph); the last one's is kept
             tokens, input_pos = padded[:, pos:pos + n].to(self.device), torch.arange(pos, pos + n).to(self.device)
             kv_len = n if pos == 0 else round_up(pos + n, self.kv_lens)  # a first section reads only itself
-            state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling, seed=seed,
-                              kv_len=kv_len)
+            state = self.caches.run(self.step, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling, seed=seed,
+                                    kv_len=kv_len)
             out = state[3]
-            torch_xla.sync()
             pos += n
         return state, pad
 
@@ -231,9 +172,8 @@ class Generator:
                 break  # the one read of a device value, every eos_check_interval steps (Llama 2 post)
             tokens, input_pos, out_pos, out, done, _ = state
             kv_len = round_up(width + steps, self.kv_lens)  # holds the input's slot, width + steps - 1
-            state = self.step(self.model, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling, seed=seed,
-                              kv_len=kv_len)
-            torch_xla.sync()
+            state = self.caches.run(self.step, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling, seed=seed,
+                                    kv_len=kv_len)
             steps += 1
         return state, steps
 

@@ -182,6 +182,14 @@ def temp_bytes(buffer_assignment):
                                           re.MULTILINE))
 
 
+def output_bytes(buffer_assignment):
+    """Bytes a compiled module allocates for its outputs: the "maybe-live-out" allocations that are
+    not a parameter's buffer. An output written into a donated parameter (aliased) costs nothing
+    here, so a step that updates its inputs in place allocates only its new results."""
+    return sum(int(n) for n in re.findall(r"^allocation \d+: size (\d+), (?!parameter)[^\n]*maybe-live-out",
+                                          buffer_assignment, re.MULTILINE))
+
+
 # "[SPMD] Involuntary full rematerialization. The compiler cannot go from sharding {A} to {B}
 # efficiently for HLO operation %name = f32[8,1,39,16]{3,2,1,0} broadcast(...), ..."
 _REMAT = re.compile(r"Involuntary full rematerialization\. The compiler cannot go from sharding (\{.*?\}) to "

@@ -329,12 +329,13 @@ class Llama(nn.Module):
             layer.self_attn.kv_cache = KVCache(self.args, weight.dtype, weight.device)
 
     @torch.no_grad()
-    def forward(self, tokens, input_pos, pad=None, kv_len=None):
+    def forward(self, tokens, input_pos, pad=None, kv_len=None, last_only=False):
         """Logits (bsz, seqlen, vocab_size) fp32 for tokens (bsz, seqlen) written at cache slots
         input_pos (seqlen,) or, per row, (bsz, seqlen); pad (bsz,) counts each row's
         left-padding slots (None: no padding). kv_len (a Python int, default max_seq_len): attention
         reads only the first kv_len cache slots, so a step costs what the live context needs; every
-        input_pos must be below it (one compiled graph per kv_len)."""
+        input_pos must be below it (one compiled graph per kv_len). last_only: the logits of the
+        last position only, (bsz, 1, vocab_size): the LM head runs once per row, not per token."""
         bsz, seqlen = tokens.shape
         kv_len = self.args.max_seq_len if kv_len is None else kv_len
         self.check_shapes(tokens, input_pos, pad, kv_len)
@@ -347,7 +348,8 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)  # (bsz, seqlen, dim)
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, mask)
-        return self.lm_head(self.norm(x)).float()  # (bsz, seqlen, vocab_size)
+        x = x[:, -1:] if last_only else x  # (bsz, 1 or seqlen, dim)
+        return self.lm_head(self.norm(x)).float()  # (bsz, 1 or seqlen, vocab_size)
 
     def check_shapes(self, tokens, input_pos, pad, kv_len):
         """Shape checks only (never values: reading a device tensor would cut the XLA graph)."""

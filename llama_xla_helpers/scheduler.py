@@ -55,7 +55,6 @@ class Request:
     first_token_at: float = None
     finished_at: float = None
     stream: object = None  # the engine's detokenize.TextStream (with `decode`)
-    row: tuple = None  # the engine's device tensors for its prefill and insert
     # The scheduler's bookkeeping
     slot: int = None
     sections: tuple = ()  # prompt section lengths (the first holds the left padding)
@@ -138,8 +137,8 @@ class Scheduler:
             self.waiting.remove(req)
 
     def schedule(self):
-        """The next step's plan. Requests mid-prefill go first (at most one: the engine prefills into
-        one cache row), then waiting ones take free slots, while the budget lasts."""
+        """The next step's plan. A request mid-prefill goes first (one long prompt at a time, a
+        section per step), then waiting ones take free slots, while the budget lasts."""
         decode = [r for r in self.running if r is not None and r.prefilled == len(r.sections)
                   and r.dispatched < r.max_tokens]
         left, prefill = self.budget - len(decode), []
@@ -162,7 +161,7 @@ class Scheduler:
             left -= n
             if req.prefilled == len(req.sections):
                 req.dispatched = 1  # the last section picks the first token
-                if req.max_tokens > 1:  # inserted into its slot before this step's decode
+                if req.max_tokens > 1:  # its slot is set before this step's decode
                     decode.append(req)
                     left -= 1
         kv_len = round_up(max(r.width + r.dispatched for r in decode), self.kv_buckets) if decode else 0

@@ -97,40 +97,44 @@ class TrainConfig:
     progress: bool = False            # a tqdm bar with loss and tokens/s (the CLI turns it on)
 
 
-INIT_ROWS = 64  # rows per random-init chunk, each drawn from its own generator
+INIT_TILE = 64  # a random-init tile is INIT_TILE x INIT_TILE elements, each drawn from its own generator
 
 
 def init_weights(config, seed, dtype=torch.float32):
     """`init(name, shape)` for `sharding.shard_params`: HF Llama's init (normal(0, initializer_range),
     norms at 1), as `read(index)` functions, so each host draws only the blocks its devices hold.
 
-    Each chunk of INIT_ROWS rows of a tensor comes from its own CPU generator, seeded by (seed, name,
-    chunk), in fp32 (the same numbers whatever the dtype), then cast to `dtype`. So the weights do not
-    depend on the mesh or the number of hosts, and a block costs the chunks its rows overlap, not the
-    whole tensor (minutes per host at 70B). A single generator for the whole model cannot do this: its
-    stream cannot be entered at a block, so each host would draw every full tensor to slice its own.
-    `read()` (no index) returns the whole tensor."""
+    Each INIT_TILE x INIT_TILE tile of a weight comes from its own CPU generator, seeded by (seed, name,
+    tile row, tile column), in fp32 (the same numbers whatever the dtype), then cast to `dtype`. So the
+    weights do not depend on the mesh or the number of hosts, and a block costs the tiles it overlaps,
+    whichever dimension the mesh splits (minutes per host at 70B otherwise). A single generator for the
+    whole model cannot do this: its stream cannot be entered at a block, so each host would draw every
+    full tensor to slice its own. `read()` (no index) returns the whole tensor."""
     def init(name, shape):
+        if not name.endswith("norm.weight") and len(shape) != 2:
+            raise ValueError(f"init_weights draws 2-D weights (out, in); {name} has shape {tuple(shape)}")
+
         def read(index=None):
             index = tuple(slice(0, n) for n in shape) if index is None else index  # a slice per dim
             if name.endswith("norm.weight"):
                 return torch.ones(tuple(s.stop - s.start for s in index), dtype=dtype)
-            rows = index[0]
-            first, last = rows.start // INIT_ROWS, -(-rows.stop // INIT_ROWS)  # the chunks these rows overlap
-            chunks = torch.cat([init_chunk(config, seed, name, shape, c) for c in range(first, last)])
-            block = chunks[rows.start - first * INIT_ROWS:rows.stop - first * INIT_ROWS]
-            return block[(slice(None), *index[1:])].to(dtype)
+            (r0, r1), (c0, c1) = [(s.start // INIT_TILE, -(-s.stop // INIT_TILE)) for s in index]  # tiles overlapped
+            tiles = torch.cat([torch.cat([init_tile(config, seed, name, shape, r, c) for c in range(c0, c1)], dim=1)
+                               for r in range(r0, r1)])  # (rows of the tiles, columns of the tiles)
+            rows, cols = [slice(s.start - t * INIT_TILE, s.stop - t * INIT_TILE) for s, t in zip(index, (r0, c0))]
+            return tiles[rows, cols].to(dtype)
         read.shape = tuple(shape)
         return read
     return init
 
 
-def init_chunk(config, seed, name, shape, chunk):
-    """Rows chunk * INIT_ROWS ... of the tensor `name` (fp32), from a generator keyed by (seed, name, chunk)."""
-    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/{chunk}".encode()).digest()[:8], "little") >> 1
-    rows = min(INIT_ROWS, shape[0] - chunk * INIT_ROWS)
+def init_tile(config, seed, name, shape, row, col):
+    """The tile (row, col) of the 2-D tensor `name` (fp32): its rows row * INIT_TILE ... and columns
+    col * INIT_TILE ..., from a generator keyed by (seed, name, row, col)."""
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/{row}/{col}".encode()).digest()[:8], "little") >> 1
+    size = [min(INIT_TILE, n - i * INIT_TILE) for n, i in zip(shape, (row, col))]
     gen = torch.Generator().manual_seed(key)
-    return torch.empty((rows, *shape[1:])).normal_(0.0, config.initializer_range, generator=gen)
+    return torch.empty(size).normal_(0.0, config.initializer_range, generator=gen)
 
 
 def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch.float32):

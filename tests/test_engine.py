@@ -352,18 +352,13 @@ def test_log_probabilities_are_a_log_softmax_of_hugging_faces_logits():
     assert [v for v, _ in echo] == pytest.approx([lp[i, p[i + 1]].item() for i in range(len(p) - 1)], abs=1e-4)
 
 
-COPIES_BACK = pytest.mark.xfail(strict=True, reason=(
-    "issue 40: torch.compile's openxla bridge returns each cache the program writes and copies it back "
-    "into the model's buffer (`args[i].copy_(res[i])`), which the next sync runs as a lazy graph with "
-    "every cache as a new output: a full copy per step, donated or not (measured)"))
-
-
-@pytest.mark.parametrize("runner,compile", [("engine", False), pytest.param("engine", True, marks=COPIES_BACK),
-                                            pytest.param("generator", True, marks=COPIES_BACK)])
+@pytest.mark.parametrize("runner,compile", [("engine", False), ("engine", True), ("generator", False),
+                                            ("generator", True)])
 def test_every_program_writes_the_kv_caches_in_place(runner, compile):
     """Each program that writes the KV caches aliases them input to output (`hlo.aliased_parameters`):
-    the caches are updated where they are, never copied. The lazy path's XLA does so on its own; the
-    compiled path does not yet. Shapes no other test compiles, so every program compiles here."""
+    the caches are updated where they are, never copied: lazy tensors because the runner writes the
+    new caches into the old (`copy_`), compiled programs because the caches are donated. Shapes no
+    other test compiles, so every program compiles here."""
     model = Llama.from_hf(hf(), max_batch_size=3, max_seq_len=64)
     layers, cache = len(model.layers), model.layers[0].self_attn.kv_cache.k_cache  # (3, 64, n_kv_heads, head_dim)
     dtype = {torch.float32: "f32", torch.bfloat16: "bf16"}[cache.dtype]
@@ -376,3 +371,19 @@ def test_every_program_writes_the_kv_caches_in_place(runner, compile):
     writes = [[p for p in hlo.aliased_parameters(m)[0] if is_cache(p)] for m in modules
               if any(map(is_cache, hlo.aliased_parameters(m)[1]))]
     assert writes and all(len(w) == 2 * layers for w in writes), [len(w) for w in writes]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["lazy", "compiled"])
+def test_decode_steps_allocate_no_cache(compile):
+    """The memory N decode steps use does not grow by a cache per step: each decode program's outputs
+    (XLA's buffer assignment, `hlo.output_bytes`) take less than one layer's K cache, so every cache is
+    written where it is. (A runtime reading cannot show it here: torch_xla reports no memory for the
+    CPU's SPMD device.) A cache of 256 positions, larger than all else a step returns."""
+    model = Llama.from_hf(hf(), max_batch_size=2, max_seq_len=256)
+    cache = model.layers[0].self_attn.kv_cache.k_cache  # (2, 256, n_kv_heads, head_dim)
+    eng = Engine(model, slots=2, buckets=(8,), compile=compile)
+    with hlo.compiled_hlo(hlo.BUFFER_ASSIGNMENT) as buffers:
+        reqs = run(eng, [eng.submit(p, 40, temperature=1.0, seed=1) for p in prompts((5, 7), seed=4)])
+    assert all(len(r.tokens) == 40 for r in reqs)
+    decode = [b for b in buffers if "s64[2,5]" in b]  # the programs that return the slots' state: prefill, decode
+    assert decode and max(map(hlo.output_bytes, decode)) < cache.numel() * cache.element_size()

@@ -35,7 +35,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from llama_xla_helpers import checkpoint, serve
+from llama_xla_helpers import api, checkpoint, protocol, serve
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer
 from llama_xla_helpers.engine import Engine
@@ -229,7 +229,7 @@ def wait_for(condition, timeout=30):
 @pytest.mark.child_process
 def test_openai_client_completions_and_chat_equal_generator(server, expected):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    prompt = serve.chat_prompt(TOK, messages)
+    prompt = protocol.chat_prompt(TOK, messages)
     assert prompt == "system: Be brief.\nuser: hi\nassistant:"
     expected(prompt, 12)  # computed (and compiled) here while the server starts
     text, n, reason = expected("cat", 24)
@@ -261,7 +261,7 @@ def test_a_stream_adds_up_to_the_greedy_text(server, expected, chat):
     *chunks, usage = got[:-1]
     pieces = [c["choices"][0]["delta" if chat else "text"] for c in chunks]
     text = "".join(p.get("content", "") for p in pieces) if chat else "".join(pieces)
-    want = expected(serve.chat_prompt(TOK, body["messages"]) if chat else "Why", 40)
+    want = expected(protocol.chat_prompt(TOK, body["messages"]) if chat else "Why", 40)
     assert len(chunks) > 5 and text == want[0]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [want[2]]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == want[1]
@@ -376,7 +376,7 @@ def test_logprobs_echo_n_and_token_id_prompts(server, expected, log_softmax):
 @pytest.mark.child_process
 def test_a_chat_without_max_tokens_may_use_the_whole_room_and_reports_logprobs(server, expected):
     messages = [{"role": "user", "content": "Why"}]
-    prompt = serve.chat_prompt(TOK, messages)
+    prompt = protocol.chat_prompt(TOK, messages)
     room = MAX_SEQ_LEN - sum(prefill_sections(len(TOK.encode(prompt)), BUCKETS))
     chat = post(server.url, "/v1/chat/completions", dict(messages=messages, temperature=0, logprobs=True, top_logprobs=2))[1]
     text, n, _ = expected(prompt, room)
@@ -398,10 +398,10 @@ def test_an_oversize_body_is_413_before_it_is_read(server, chunked):
     if chunked:
         conn.putheader("Transfer-Encoding", "chunked")
         conn.endheaders()
-        data = b" " * (serve.MAX_BODY_BYTES + 1)
+        data = b" " * (api.MAX_BODY_BYTES + 1)
         conn.send(b"%x\r\n%s\r\n" % (len(data), data))
     else:
-        conn.putheader("Content-Length", str(serve.MAX_BODY_BYTES + 1))
+        conn.putheader("Content-Length", str(api.MAX_BODY_BYTES + 1))
         conn.endheaders()  # and no body: the answer comes from the headers alone
     response = conn.getresponse()
     error = json.loads(response.read())["error"]
@@ -479,7 +479,7 @@ def test_metrics_after_everything_show_no_compilation_and_the_latencies(server):
         ["counter", "counter", "gauge"]
     finished = m["e2e_request_latency_seconds_count"]
     assert finished > 20
-    for name, _, _ in serve.HISTOGRAMS:
+    for name, _, _ in api.HISTOGRAMS:
         family = families[f"llama_xla_{name}"]
         buckets = [s.value for s in family.samples if s.name.endswith("_bucket")]
         assert family.type == "histogram" and buckets == sorted(buckets) and buckets[-1] == m[f"{name}_count"]
@@ -600,20 +600,20 @@ def engine():
 def test_start_in_thread_serves_from_this_process_and_stops(engine, expected):
     """Notebook 06's way on a TPU: uvicorn in a thread of the process that holds the device."""
     engine.warmup()
-    api = serve.app(engine, TOK, "tiny")
-    server = serve.start_in_thread(api, port=0)
+    app = serve.app(engine, TOK, "tiny")
+    server = serve.start_in_thread(app, port=0)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         out = client.completions.create(model="tiny", prompt="H", max_tokens=20, temperature=0)
         assert out.choices[0].text == expected("H", 20)[0]
     finally:
         server.stop()
-    assert not server.thread.is_alive() and not api.state.served.running()
+    assert not server.thread.is_alive() and not app.state.served.running()
     assert engine.metrics()["compiles_since_warmup"] == 0
 
 
 def test_an_api_key_guards_v1_and_leaves_health_and_metrics_open(engine, expected):
-    server = serve.start_in_thread(serve.app(engine, TOK, "tiny", api_key="sesame"), port=0)
+    server = serve.start_in_thread(api.app(engine, TOK, "tiny", api_key="sesame"), port=0)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0)
         out = client.completions.create(model="tiny", prompt="H", max_tokens=5, temperature=0)
@@ -631,7 +631,7 @@ def test_an_api_key_guards_v1_and_leaves_health_and_metrics_open(engine, expecte
 
 def test_each_app_has_its_own_metrics_registry(engine):
     for name in ("one", "two"):  # a second app in this process: prometheus_client's default registry would refuse it
-        text = TestClient(serve.app(engine, TOK, name)).get("/metrics").text
+        text = TestClient(api.app(engine, TOK, name)).get("/metrics").text
         families = {f.name: f for f in text_string_to_metric_families(text)}
         assert families["llama_xla_requests"].type == "counter"
         assert families["llama_xla_time_to_first_token_seconds"].type == "histogram"
@@ -648,7 +648,7 @@ def test_after_an_engine_fault_health_is_503_and_requests_get_json_errors(engine
             raise RuntimeError("injected fault")
         return step()
     monkeypatch.setattr(engine, "step", failing)
-    with TestClient(serve.app(engine, TOK, "tiny")) as client:
+    with TestClient(api.app(engine, TOK, "tiny")) as client:
         r = client.post("/v1/completions", json=dict(prompt="H", max_tokens=10))
         assert r.status_code == 500 and "RuntimeError: injected fault" in r.json()["error"]["message"], r.text
         r = client.get("/health")
@@ -670,7 +670,7 @@ def test_every_eos_id_of_the_model_ends_a_request(model_dir, greedy, tmp_path):
     assert serve.decoder(TOK, LlamaConfig(eos_token_id=[5, 6]), folder)[1] == {TOK.eos_id, 5, 6, 1, tokens[k]}
     engine, tokenizer = serve.load_engine(folder, slots=1, max_seq_len=MAX_SEQ_LEN, buckets=(8,), dtype="fp32")
     assert engine.eos_ids == {TOK.eos_id, 1, tokens[k]}  # config.json's is the byte tokenizer's
-    with TestClient(serve.app(engine, tokenizer, "tiny")) as client:
+    with TestClient(api.app(engine, tokenizer, "tiny")) as client:
         out = client.post("/v1/completions", json=dict(prompt=LONG, max_tokens=40, temperature=0)).json()
     assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == k + 1, out
     assert out["choices"][0]["text"] == TOK.decode(tokens[:k + 1])
@@ -688,7 +688,7 @@ def test_a_bf16_server_serves_its_engines_tokens_close_to_fp32(tmp_path, monkeyp
     assert engine.model.embed_tokens.weight.dtype == torch.bfloat16
     engine.warmup()
     prompts = ["The for statement", "class C:"]
-    server = serve.start_in_thread(serve.app(engine, tokenizer, "tiny"), port=0)
+    server = serve.start_in_thread(api.app(engine, tokenizer, "tiny"), port=0)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         texts = [client.completions.create(model="tiny", prompt=p, max_tokens=40, temperature=0).choices[0].text
@@ -711,7 +711,7 @@ def test_a_bf16_server_serves_its_engines_tokens_close_to_fp32(tmp_path, monkeyp
 
 def test_a_full_queue_is_429(engine):
     """The app without its lifespan (no engine loop): the one waiting request stays in the queue."""
-    client = TestClient(serve.app(engine, TOK, "tiny"))
+    client = TestClient(api.app(engine, TOK, "tiny"))
     engine.submit(TOK.encode("hi"), 4)
     r = client.post("/v1/completions", json=dict(prompt="hi", max_tokens=4))
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.json()
@@ -721,7 +721,7 @@ def test_a_full_queue_is_429(engine):
 
 def test_a_chat_template_that_fails_is_a_json_400_and_anything_unexpected_a_json_500(engine, tmp_path, monkeypatch):
     tok = serve.read_tokenizer(word_tokenizer(tmp_path), None, tiny_config())
-    client = TestClient(serve.app(engine, tok, "tiny"), raise_server_exceptions=False)
+    client = TestClient(api.app(engine, tok, "tiny"), raise_server_exceptions=False)
     body = dict(messages=[{"role": "system", "content": "hi"}])
     for template, message in [("{{ raise_exception('no system messages, please') }}", "no system messages, please"),
                               ("{% if %}", "Expected an expression")]:  # a syntax error
@@ -732,7 +732,7 @@ def test_a_chat_template_that_fails_is_a_json_400_and_anything_unexpected_a_json
 
     def broken(*args):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(serve, "chat_prompt", broken)
+    monkeypatch.setattr(api, "chat_prompt", broken)
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
     assert "RuntimeError: a bug" in r.json()["error"]["message"]
@@ -810,11 +810,11 @@ LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ 
 def test_a_hugging_face_tokenizer_its_chat_template_or_the_plain_format(tmp_path):
     tok = serve.read_tokenizer(word_tokenizer(tmp_path), None, tiny_config())
     messages = [{"role": "system", "content": "the cat"}, {"role": "user", "content": "hello how are you"}]
-    assert serve.chat_prompt(tok, messages) == "system: the cat\nuser: hello how are you\nassistant:"
+    assert protocol.chat_prompt(tok, messages) == "system: the cat\nuser: hello how are you\nassistant:"
     tok.chat_template = LLAMA3_TEMPLATE
-    prompt = serve.chat_prompt(tok, messages)
+    prompt = protocol.chat_prompt(tok, messages)
     assert prompt == llama3_chat(messages)
-    ids = serve.encode(tok, prompt)
+    ids = protocol.encode(tok, prompt)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # the template's BOS, no second one
     decode, eos_ids = serve.decoder(tok)
     assert eos_ids == {tok.convert_tokens_to_ids("<|eot_id|>")} and "<|" not in decode(ids)
@@ -832,20 +832,20 @@ def test_default_mesh_replicates_kv_heads_where_needed():
 
 
 def test_settled_text_holds_back_what_may_still_change():
-    assert serve.settled("ab\ufffd", ()) == "ab"  # the first bytes of a character
-    assert serve.settled("abc\n", ("\n\n",)) == "abc"  # may become the stop string
-    assert serve.settled("abc", ("xyz", "cd")) == "ab"
-    assert serve.settled("abc", ("xyz",)) == "abc"
+    assert api.settled("ab\ufffd", ()) == "ab"  # the first bytes of a character
+    assert api.settled("abc\n", ("\n\n",)) == "abc"  # may become the stop string
+    assert api.settled("abc", ("xyz", "cd")) == "ab"
+    assert api.settled("abc", ("xyz",)) == "abc"
 
 
 def test_top_logprobs_keep_distinct_tokens_apart_writing_bytes_as_openai_does():
     c3, a9 = "é".encode()  # the byte tokenizer's ids 0xC3 and 0xA9 both decode to U+FFFD alone
     entries = [(-0.1, [(c3, -0.1), (a9, -2.0), (ord("A"), -3.0)])]
-    lp = serve.completion_logprobs(TOK, entries + [(-0.2, [])], [c3, a9])
+    lp = protocol.completion_logprobs(TOK, entries + [(-0.2, [])], [c3, a9])
     assert lp["tokens"] == ["bytes:\\xc3", "bytes:\\xa9"]
     assert lp["top_logprobs"][0] == {"bytes:\\xc3": -0.1, "bytes:\\xa9": -2.0, "A": -3.0}  # three entries, not two
     assert lp["text_offset"] == [0, 1]  # offsets count the decoded text, not the keys
-    chat = serve.chat_logprobs(TOK, entries, [c3])["content"][0]
+    chat = protocol.chat_logprobs(TOK, entries, [c3])["content"][0]
     assert (chat["token"], chat["bytes"]) == ("bytes:\\xc3", [0xC3])
     assert [(t["token"], t["bytes"]) for t in chat["top_logprobs"]] == [
         ("bytes:\\xc3", [0xC3]), ("bytes:\\xa9", [0xA9]), ("A", [0x41])]

@@ -18,7 +18,7 @@ from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, trai
 from llama_xla_helpers.hlo import dot_dtypes
 from llama_xla_helpers.sharding import sharded_loader
 from llama_xla_helpers.train import (DTYPES, Adafactor, TrainConfig, _parse_args, build_model, first_batch, forward_loss,
-                                     init_chunk, init_weights, main, make_optimizer, optimizer_step, setup, should_stop,
+                                     init_tile, init_weights, main, make_optimizer, optimizer_step, setup, should_stop,
                                      stop_signals, train, train_step)
 from util import N, preempted, shapes_2d
 
@@ -49,22 +49,29 @@ def cpu_losses(cfg):
             for step, (ids,) in enumerate(loader, 1)}
 
 
-def test_random_init_draws_each_block_alone_from_keyed_row_chunks(monkeypatch):
+def test_random_init_draws_each_block_alone_from_keyed_tiles(monkeypatch):
     config = get_config("tiny")
     init = init_weights(config, seed=0)
-    w = init("model.layers.0.mlp.gate_proj.weight", (384, 128))()  # (out, in): 6 chunks of 64 rows
+    w = init("model.layers.0.mlp.gate_proj.weight", (384, 128))()  # (out, in): 6 x 2 tiles of 64 x 64
     assert w.shape == (384, 128) and abs(w.std().item() - config.initializer_range) < 0.1 * config.initializer_range
     drawn = []
-    monkeypatch.setattr(train_module, "init_chunk", lambda *a: drawn.append(a[-1]) or init_chunk(*a))
-    block = (slice(100, 150), slice(32, 64))  # rows inside chunk 1 and 2, a column block
-    assert torch.equal(init("model.layers.0.mlp.gate_proj.weight", (384, 128))(block), w[block])
-    assert drawn == [1, 2]  # only the chunks its rows overlap
+    monkeypatch.setattr(train_module, "init_tile", lambda *a: drawn.append(a[-2:]) or init_tile(*a))
+    rows_block = (slice(100, 150), slice(0, 128))  # a row block (a split on 'out'): rows in tiles 1 and 2
+    assert torch.equal(init("model.layers.0.mlp.gate_proj.weight", (384, 128))(rows_block), w[rows_block])
+    assert drawn == [(1, 0), (1, 1), (2, 0), (2, 1)]  # only the tiles its rows overlap
+    drawn.clear()
+    cols_block = (slice(0, 384), slice(32, 64))  # a column block (a split on 'in'): inside column tile 0
+    assert torch.equal(init("model.layers.0.mlp.gate_proj.weight", (384, 128))(cols_block), w[cols_block])
+    assert drawn == [(r, 0) for r in range(6)]  # not column tile 1: a column split draws only its share
     assert torch.equal(init("model.layers.0.mlp.gate_proj.weight", (384, 128))(), w)  # the same numbers every time
     assert not torch.equal(init("model.layers.0.mlp.up_proj.weight", (384, 128))(), w)  # keyed by name
     assert not torch.equal(init_weights(config, seed=1)("model.layers.0.mlp.gate_proj.weight", (384, 128))(), w)
+    assert not torch.equal(w[:64, :64], w[:64, 64:])  # keyed by tile
     assert torch.equal(init("model.norm.weight", (128,))((slice(16, 32),)), torch.ones(16))
     bf16 = init_weights(config, seed=0, dtype=torch.bfloat16)("model.layers.0.mlp.gate_proj.weight", (384, 128))()
     assert torch.equal(bf16, w.bfloat16())
+    with pytest.raises(ValueError, match=r"2-D weights.*\(2, 3, 4\)"):
+        init("model.layers.0.extra.weight", (2, 3, 4))
 
 
 def test_byte_tokenizer_round_trip():

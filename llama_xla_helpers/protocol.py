@@ -1,0 +1,196 @@
+"""The OpenAI protocol of the server (`api.py`): what a request may hold and how it is checked,
+its prompts as token ids, and the parts of a response that are formatting only (log-probabilities,
+the error object). No app and no engine loop here.
+
+Parameters, with OpenAI's names and defaults:
+
+- /v1/completions (`CompletionBody`): prompt (a string, a list of strings, a list of token ids, or a
+  list of lists of ids), max_tokens (default 16), echo (the prompt before the completion; with
+  logprobs, its tokens' log-probabilities too, and max_tokens 0 scores the prompt without
+  generating), logprobs (0-20: each token's log-probability and that many alternatives).
+- /v1/chat/completions (`ChatBody`): messages, max_tokens / max_completion_tokens (default: the room
+  left in the context), logprobs (true) with top_logprobs (0-20).
+- Both (`Sampling`): model, temperature (default 1; 0 is greedy), top_p, top_k (vLLM's extension: at
+  most engine.SAMPLE_TOP_K; 0 or -1 sets no limit of its own, so sampling keeps the engine's bound,
+  the SAMPLE_TOP_K = 64 most likely tokens, as vLLM's and JetStream's TPU samplers do), seed
+  (choice j of n uses seed + j), n (choices per prompt, up to MAX_N), stop (up to 4 non-empty
+  strings), stream, stream_options.include_usage, user. Any other field is refused with a 400 that
+  names it; presence_penalty, frequency_penalty, logit_bias, suffix, best_of, response_format,
+  tools and tool_choice are refused unless they ask for nothing (`check_supported`).
+
+Log-probabilities are the model's, before temperature and top-k/top-p; a token whose bytes are not
+UTF-8 on their own (a byte token) is written `bytes:\\xc3` as OpenAI does, never U+FFFD.
+
+Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}} (`api_error`), whatever
+goes wrong; `api.py` lists the statuses.
+
+Prompts: /v1/completions encodes the prompt as it is (with BOS). /v1/chat/completions uses the
+tokenizer's chat template if it has one. Otherwise (the byte tokenizer of a training checkpoint,
+or a tokenizer without a template) it writes a plain transcript: one "role: content" line per
+message, then "assistant:".
+
+The split is vLLM's and SGLang's: the request models in a protocol.py of their own
+(vllm/entrypoints/openai/protocol.py, python/sglang/srt/entrypoints/openai/protocol.py), the app
+apart. Sources: the OpenAI API reference, completions
+https://platform.openai.com/docs/api-reference/completions and chat
+https://platform.openai.com/docs/api-reference/chat; vLLM's OpenAI server (top_k),
+https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html
+"""
+import itertools
+
+import jinja2
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from .detokenize import token_bytes, token_key
+from .engine import SAMPLE_TOP_K, TOP_LOGPROBS
+from .tokenizer import ByteTokenizer
+
+MAX_N = 16  # choices per prompt
+
+
+def api_error(status, message, type="invalid_request_error", param=None, code=None):
+    """An HTTPException whose detail is OpenAI's error object (`api.http_error` answers with it)."""
+    return HTTPException(status, dict(message=message, type=type, param=param, code=code))
+
+
+# --- Requests ----------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both endpoints take, with OpenAI's names and defaults. A field that is not here is
+    refused (400 naming it); those in UNSUPPORTED are refused unless they ask for nothing."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = Field(0, ge=-1, le=SAMPLE_TOP_K, description=(  # vLLM's extension
+        f"sample from the top_k most likely tokens; 0 or -1: no limit of the request's own, so the engine's: "
+        f"the {SAMPLE_TOP_K} most likely (engine.SAMPLE_TOP_K)"))
+    seed: int | None = None
+    stop: str | list[str] | None = None  # up to 4 (`check_supported`), non-empty (the engine checks)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+
+
+class CompletionBody(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str
+
+
+class ChatBody(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # chat's newer name for max_tokens; wins if given
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+
+UNSUPPORTED = dict(presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(None, {}), suffix=(None, ""),
+                   response_format=(None, {"type": "text"}), tools=(None, []), tool_choice=(None, "none"))
+
+
+def check_supported(body):
+    """400 naming a parameter this server does not implement, unless it has its no-op value, and
+    for what the types leave open: max_tokens 0 without echo, over 4 stop strings, stream_options
+    without stream."""
+    for name, noop in UNSUPPORTED.items():
+        value = getattr(body, name, noop if not isinstance(noop, tuple) else noop[0])
+        if value not in (noop if isinstance(noop, tuple) else (noop,)):
+            raise api_error(400, f"{name}={value!r} is not supported by this server; leave it out", param=name)
+    if getattr(body, "best_of", None) not in (None, body.n):
+        raise api_error(400, f"best_of={body.best_of} is not supported (only best_of == n); leave it out", param="best_of")
+    if body.max_tokens == 0 and not getattr(body, "echo", False):
+        raise api_error(400, "max_tokens=0 must be an int >= 1 (0 only with echo, to score the prompt)",
+                        param="max_tokens")
+    if isinstance(body.stop, list) and len(body.stop) > 4:
+        raise api_error(400, f"stop={body.stop!r} holds more than 4 stop strings (OpenAI's limit)", param="stop")
+    if body.stream_options and not body.stream:
+        raise api_error(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+
+def requested_logprobs(body):
+    """The alternatives per token that a request's log-probabilities list (None: no log-probabilities);
+    400 for chat's top_logprobs without logprobs."""
+    if not isinstance(body, ChatBody):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise api_error(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+# --- Prompts to token ids ----------------------------------------------------------------------
+
+def encode(tokenizer, text):
+    """Token ids of a prompt, with BOS (once: a chat template may have written it already)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text)
+    bos = tokenizer.bos_token
+    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+
+def chat_prompt(tokenizer, messages):
+    """The prompt of a chat: the tokenizer's template, else one "role: content" line per message.
+    A template that fails is the request's fault: a 400 naming the template's message."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as e:
+        raise api_error(400, f"the model's chat template rejected these messages: {e}", param="messages") from None
+
+
+def completion_prompts(tokenizer, prompt, vocab_size):
+    """The token ids of each prompt: a string, a list of strings, a list of ids or a list of lists of ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise api_error(400, "prompt is empty; send a string, a list of strings or token ids", param="prompt")
+    ids = [encode(tokenizer, p) if isinstance(p, str) else p for p in prompt]
+    for p in ids:
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if not p or bad:
+            raise api_error(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})" if bad else
+                            "a prompt is empty; every prompt needs at least one token", param="prompt")
+    return ids
+
+
+# --- Log-probabilities in a response -----------------------------------------------------------
+
+def completion_logprobs(tokenizer, entries, tokens, offset=0):
+    """OpenAI's completions `logprobs` of tokens with their engine entries (None for a prompt's
+    first). A token that is not UTF-8 alone is written `bytes:\\xNN` (`detokenize.token_key`)."""
+    lengths = [len(tokenizer.decode([t])) for t in tokens[:-1]]
+    return dict(tokens=[token_key(tokenizer, t) for t in tokens], token_logprobs=[e and e[0] for e in entries],
+                top_logprobs=[e and {token_key(tokenizer, i): v for i, v in e[1]} for e in entries],
+                text_offset=list(itertools.accumulate(lengths, initial=offset)))
+
+
+def chat_logprobs(tokenizer, entries, tokens):
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}, `bytes` the
+    token's own (`detokenize.token_bytes`)."""
+    def item(token, value):
+        return dict(token=token_key(tokenizer, token), logprob=value, bytes=list(token_bytes(tokenizer, token)))
+    return dict(content=[item(t, v) | dict(top_logprobs=[item(i, w) for i, w in top])
+                         for t, (v, top) in zip(tokens, entries)])
