@@ -11,7 +11,7 @@ Parameters, with OpenAI's names and defaults:
 - /v1/chat/completions (`ChatBody`): messages, max_tokens / max_completion_tokens (default: the room
   left in the context), logprobs (true) with top_logprobs (0-20).
 - Both (`Sampling`): model, temperature (default 1; 0 is greedy), top_p, top_k (vLLM's extension: at
-  most engine.SAMPLE_TOP_K; 0 or -1 sets no limit of its own, so sampling keeps the engine's bound,
+  most sampling.SAMPLE_TOP_K; 0 or -1 sets no limit of its own, so sampling keeps the engine's bound,
   the SAMPLE_TOP_K = 64 most likely tokens, as vLLM's and JetStream's TPU samplers do), seed
   (choice j of n uses seed + j), n (choices per prompt, up to MAX_N), stop (up to 4 non-empty
   strings), stream, stream_options.include_usage, user. Any other field is refused with a 400 that
@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from .detokenize import token_bytes, token_key
-from .engine import SAMPLE_TOP_K, TOP_LOGPROBS
+from .sampling import SAMPLE_TOP_K, TOP_LOGPROBS
 from .tokenizer import ByteTokenizer
 
 MAX_N = 16  # choices per prompt
