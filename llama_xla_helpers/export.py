@@ -19,8 +19,9 @@ does (`prefill_sections`, pad = width - len), so the artifact's tokens equal Gen
 
 Why the cache goes in and out: model.py writes it in place (`index_copy_` on KVCache buffers),
 and torch_xla's StableHLO export drops in-place buffer mutations, so the graph would forget
-every key and value it wrote. `Step` swaps each layer's KVCache for a `CacheSlot` that writes
-with an out-of-place `index_copy` into caches handed in as arguments, and returns the results.
+every key and value it wrote. `Step` swaps each layer's KVCache for the engine's
+`runner.SlotCache`, which writes out of place (`index_put`) into caches handed in as arguments,
+and returns the results.
 
 No SPMD: the artifact is exported and run in a process that never calls `xr.use_spmd()` (which
 `runtime.init_runtime` does). Loaded under SPMD it fails with "Unknown device SPMD:0". Hence the
@@ -76,6 +77,7 @@ from transformers import LlamaConfig
 from .cli import ArgumentParser, int_list, user_errors
 from .generate import prefill_sections
 from .model import Llama, ModelArgs
+from .runner import SlotCache, attach
 
 PROG = "python -m llama_xla_helpers.export"
 MANIFEST = "manifest.json"
@@ -86,39 +88,24 @@ MAX_SEQ_LEN_CAP = 2048  # default max_seq_len: the config's max_position_embeddi
 
 # --- Export: the step as a pure function --------------------------------------------------
 
-class CacheSlot(nn.Module):
-    """Stands in for a layer's model.KVCache while exporting: the same `update`, out of place.
-
-    `Step.forward` hands it the layer's caches (`k`, `v`); `update` writes copies and keeps
-    them, for the step to return.
-    """
-
-    def update(self, input_pos, k, v):
-        """Write k, v (bsz, seqlen, n_kv_heads, head_dim) at slots input_pos (seqlen,); return the new caches."""
-        self.k = self.k.index_copy(1, input_pos, k)  # (bsz, max_seq_len, n_kv_heads, head_dim)
-        self.v = self.v.index_copy(1, input_pos, v)
-        return self.k, self.v
-
-
 class Step(nn.Module):
     """A prefill section or decode step of `model` with the caches in and out (module docstring).
 
-    It takes over `model`: each layer's KV cache becomes a CacheSlot.
+    It takes over `model`: each layer's KV cache becomes a `runner.SlotCache`, as in the engine's programs.
     """
 
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.slots = [CacheSlot() for _ in model.layers]
-        for layer, slot in zip(model.layers, self.slots):
-            layer.self_attn.kv_cache = slot
+        self.views = [SlotCache() for _ in model.layers]
+        for layer, view in zip(model.layers, self.views):
+            layer.self_attn.kv_cache = view
 
     def forward(self, tokens, input_pos, pad, *caches):
-        for slot, k, v in zip(self.slots, caches[0::2], caches[1::2]):
-            slot.k, slot.v = k, v
-        logits = self.model(tokens, input_pos, pad)[:, -1]  # (bsz, vocab_size)
+        attach(self.views, zip(caches[0::2], caches[1::2]))
+        logits = self.model(tokens, input_pos, pad, last_only=True)[:, -1]  # (bsz, vocab_size): the last position only
         next_token = logits.argmax(dim=-1, keepdim=True)  # (bsz, 1)
-        return (next_token, *[c for slot in self.slots for c in (slot.k, slot.v)])
+        return (next_token, *[c for view in self.views for c in (view.k, view.v)])
 
 
 def cache_shape(args):
@@ -277,7 +264,7 @@ def check_request(manifest, prompts, max_new_tokens):
 
 def stablehlo_excerpt(out_dir, name="decode"):
     """Three lines of a graph's StableHLO text: its signature (weights, tokens, positions, pad and
-    caches in; next token and caches out), the first cache write (index_copy is a scatter), the return."""
+    caches in; next token and caches out), the first cache write (a scatter), the return."""
     lines = (Path(out_dir) / "functions" / f"{name}.mlir").read_text().splitlines()
     signature = next(line for line in lines if "func.func @main" in line)
     cache_write = next(line for line in lines if "stablehlo.scatter" in line)

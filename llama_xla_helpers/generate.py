@@ -30,7 +30,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 
 from .metrics import count_compiles
-from .runner import Caches, attach, compiled, mark_replicated, replicator
+from .runner import Caches, attach, compiled, default_compile, mark_replicated, replicator
 from .sampling import SAMPLE_TOP_K, sample_rows  # noqa: F401  SAMPLE_TOP_K: also generate's, as before
 from .scheduler import kv_buckets, prefill_sections, prefill_shapes, round_up
 from .tokenizer import ByteTokenizer, load_tokenizer  # noqa: F401  load_tokenizer: also generate's, as before
@@ -112,7 +112,7 @@ class Generator:
         self.buckets, self.eos_check_interval = buckets, eos_check_interval
         self.kv_lens = kv_buckets(buckets, model.args.max_seq_len)
         self.pin = replicator(self.model)
-        compile = torch_xla.runtime.device_type() == "TPU" if compile is None else compile
+        compile = default_compile() if compile is None else compile
         shapes = 2 * (len(prefill_shapes(buckets, model.args.max_seq_len)) + len(self.kv_lens))  # greedy, sampled
         self.step = compiled(step, shapes) if compile else step
         self.caches = Caches(self.model, compile)  # the model's KV caches, in and out of each step

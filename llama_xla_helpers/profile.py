@@ -5,6 +5,9 @@
     step_timeline(run)          # [(name, start ms, duration ms), ...]: each step and its parts
     plots.plot_timeline(step_timeline(run))
 
+A loop that syncs inside its step (a lazy serving step) marks steps with `marker("step")`
+instead, and `host_ms(run, "step")` gives each step's wall time less the time XLA ops ran in it.
+
 Any step function works: `capture(step, logdir, steps=3, warmup=2)` runs `step()` first `warmup`
 times (they compile), then `steps` times under the profiler, each inside `xp.StepTrace`, and
 checks that nothing compiled while it traced. Inside a step, `xp.Trace("name")` marks its parts
@@ -33,6 +36,7 @@ import socket
 from pathlib import Path
 from typing import NamedTuple
 
+import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.profiler as xp
 
@@ -41,6 +45,7 @@ from .train import DTYPES, build_model, first_batch, forward_loss, make_optimize
 
 STEP = "step"                                       # the StepTrace name `capture` gives each step
 EXECUTE = "PjRtComputationClient::ExecuteReplicated"  # torch_xla running a compiled graph (host side)
+THUNKS = "ThunkExecutor::Execute"                   # XLA:CPU running a program
 
 
 class Event(NamedTuple):
@@ -185,6 +190,42 @@ def step_timeline(path, name=STEP):
         timeline += [step] + [e for e in inside if not any(_contains(o, e) for o in inside if o is not e)]
     timeline += [e for e in events if e.name == EXECUTE and e.start_ms >= t0]
     return sorted(((e.name, e.start_ms - t0, e.duration_ms) for e in timeline), key=lambda e: e[1])
+
+
+def marker(name):
+    """A named trace event around a block (`with marker("step"): ...`). Unlike xp.Trace it pushes
+    no IR scope, so the block may sync (xp.Trace raises there)."""
+    return torch_xla._XLAC.profiler.TraceMe(name)
+
+
+def program_spans(events):
+    """When compiled programs ran: [(start ms, end ms)]. On a TPU, the device's "XLA Modules"
+    line (one event per program run); on the CPU, XLA:CPU's ThunkExecutor events (the op events
+    there are sampled, not every op)."""
+    spans = [e for e in events if e.process.startswith("/device:") and e.thread == "XLA Modules"] or \
+        [e for e in events if e.name.startswith(THUNKS)]
+    return sorted((e.start_ms, e.start_ms + e.duration_ms) for e in spans)
+
+
+def host_ms(path, name):
+    """Per traced `marker(name)` block but the last: [(wall ms, device ms)], wall from its start to
+    the next block's start, device the time within it during which a compiled program ran
+    (`program_spans`, overlaps counted once). Wall less device is the time the device waited for
+    the host: tracing, dispatch, reading results."""
+    events = read_events(path)
+    starts = [e.start_ms for e in events if e.name == name]
+    if len(starts) < 2:
+        raise ValueError(f"{len(starts)} event(s) named {name!r} in the trace; mark each step with marker({name!r}) "
+                         "and trace at least 2")
+    spans, rows = program_spans(events), []
+    for a, b in zip(starts, starts[1:]):
+        busy, end = 0.0, a
+        for s, e in spans:  # the union of the spans (sorted by start), clipped to [a, b]
+            s, e = max(s, end), min(e, b)
+            if e > s:
+                busy, end = busy + e - s, e
+        rows.append((b - a, busy))
+    return rows
 
 
 def _contains(outer, inner):

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch_xla
 import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
 
 from .mesh import make_mesh
 from .sampling import logprobs_of, sample_rows
@@ -104,6 +105,13 @@ class Caches:
         if not self.compile:
             torch_xla.sync()  # launch the traced graph
         return out
+
+
+def default_compile():
+    """Whether `Engine` and `Generator` compile their programs when not told (compile=None): on a
+    TPU, where a step takes milliseconds and tracing it again at every step would cost more
+    (`engine.py` gives the measured numbers)."""
+    return xr.device_type() == "TPU"
 
 
 def compiled(fn, shapes):

@@ -169,7 +169,7 @@ def check_one_host():
 
 
 def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buckets=None, dtype=None,
-                quantize=None):
+                quantize=None, compile=None):
     """(Engine, tokenizer) for the model at `path`, not yet warmed up. Every argument is checked
     against the model's config before a weight is read.
 
@@ -178,7 +178,7 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     `mesh_shape_for`; on a CPU it sets the number of virtual devices, as train's --mesh does);
     buckets: those of 128, 256, 384, 512 up to half the cache; dtype: "bf16" or "fp32" (default:
     `runtime.default_dtype()`: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU); quantize:
-    None, "int8" or "int4" (weight-only, `quantize.quantize`).
+    None, "int8" or "int4" (weight-only, `quantize.quantize`); compile: `Engine`'s (None: on a TPU).
     """
     config, step = read_config(path)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, MAX_SEQ_LEN)
@@ -205,7 +205,7 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     if mesh is not None:
         model = shard_for_inference(model, mesh)
     decode, eos_ids = decoder(tokenizer, config, path)
-    return Engine(model, slots, buckets, max_queue, eos_ids, decode, on_recompile="count"), tokenizer
+    return Engine(model, slots, buckets, max_queue, eos_ids, decode, on_recompile="count", compile=compile), tokenizer
 
 
 def decoder(tokenizer, config=None, path=None):
@@ -339,6 +339,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="the weights' dtype (default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization (default: none)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="torch.compile the engine's programs (default: on a TPU; the engine's docstring says why)")
     add_compile_cache_args(parser)
     parser.add_argument("--debug", action="store_true", help="tracebacks of input errors, uvicorn's request log")
     args = parser.parse_args(argv)
@@ -358,11 +360,11 @@ def main(argv=None):
                      cache_readonly=args.compile_cache_readonly)  # the cache before anything compiles
         sock = listen(args.host, args.port)
         engine, tokenizer = load_engine(args.dir, args.slots, args.max_seq_len, args.max_queue, args.mesh,
-                                        args.buckets, args.dtype, args.quantize)
+                                        args.buckets, args.dtype, args.quantize, args.compile)
     a, mesh = engine.model.args, getattr(engine.model, "mesh", None)
     print(f"{args.dir}: {a.n_layers} layers, {a.n_kv_heads} KV heads, {engine.model.embed_tokens.weight.dtype}, "
           f"mesh {tuple(mesh.mesh_shape) if mesh else None}, {engine.slots} slots of {a.max_seq_len} tokens, "
-          f"buckets {engine.buckets}, tokenizer {type(tokenizer).__name__}", flush=True)
+          f"buckets {engine.buckets}, compile {engine.compile}, tokenizer {type(tokenizer).__name__}", flush=True)
     start = time.perf_counter()
     compiles = engine.warmup()
     print(f"warm-up: {compiles} graphs compiled in {time.perf_counter() - start:.1f} s", flush=True)

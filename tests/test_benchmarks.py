@@ -19,10 +19,14 @@ def test_serve_benchmark_quick_runs_every_system_and_reports_every_target():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     out = Path(run.stdout.strip().splitlines()[-1].split("results in ")[-1])
     result = json.loads((out / "serve.json").read_text())
+    patterns = ("all-at-once", "poisson-50%", "poisson-100%")
     assert {(r["system"], r["pattern"]) for r in result["runs"]} == {
-        ("engine", "all-at-once"), ("engine", "poisson-50%"), ("engine", "poisson-100%"), ("static", "all-at-once"),
-        ("hf-cb", "all-at-once"), ("hf-cb", "poisson-50%"), ("hf-cb", "poisson-100%"), ("http", "all-at-once")}
-    assert len(result["targets"]) == 9 and result["compiles_after_warmup"]["engine"] == 0
+        *[(system, p) for system in ("engine-lazy", "engine-compiled", "hf-cb") for p in patterns],
+        ("static", "all-at-once"), ("http", "all-at-once")}
+    assert len(result["targets"]) == 14
+    assert result["compiles_after_warmup"]["engine-lazy"] == result["compiles_after_warmup"]["engine-compiled"] == 0
+    host = {r["system"]: r["host_ms"] for r in result["engine_decode"] if r["batch"] == 8}
+    assert set(host) == {"engine-lazy", "engine-compiled"} and all(0 < ms < 1000 for ms in host.values())
     assert [r["prefill_rows"] for r in result["prefill_together"]] == [1, 4]
     assert sorted(p.name for p in out.glob("serve_*.png")) == [
         "serve_decode_step.png", "serve_engine_step.png", "serve_throughput.png", "serve_tpot.png", "serve_ttft.png"]

@@ -16,7 +16,8 @@ from llama_xla_helpers import plots, profile
 CHILD = """
 import json, sys
 import torch, torch_xla
-from llama_xla_helpers.profile import capture, profile_training
+import torch_xla.core.xla_model as xm, torch_xla.debug.profiler as xp
+from llama_xla_helpers.profile import capture, marker, profile_training
 from llama_xla_helpers.train import TrainConfig
 run = profile_training(TrainConfig(batch_size=8, seq_len=16), sys.argv[1] + "/train", steps=2, warmup=2)
 x = torch.arange(4.0, device=torch_xla.device())
@@ -24,6 +25,15 @@ try:  # no warm-up: the step compiles while traced
     capture(lambda: x * 5, sys.argv[1] + "/cold", steps=1, warmup=0)
 except RuntimeError as e:
     error = str(e)
+y = x * 5
+torch_xla.sync()  # compiled before the trace
+xp.start_trace(sys.argv[1] + "/marked")
+for _ in range(3):
+    with marker("serve step"):  # a sync inside: xp.Trace would raise
+        y = x * 5
+        torch_xla.sync()
+        xm.wait_device_ops()  # the program runs inside its step
+xp.stop_trace()
 print(json.dumps(dict(run=str(run), error=error)))
 """
 
@@ -121,3 +131,30 @@ def test_the_timeline_keeps_a_graph_run_that_starts_after_its_step(tmp_path):
         json.dump(dict(traceEvents=trace), f)
     assert profile.step_timeline(tmp_path) == [("step", 0, 10), ("forward", 1, 4), (profile.EXECUTE, 8, 5),
                                                ("step", 10, 10), ("forward", 11, 4), (profile.EXECUTE, 23, 5)]
+
+
+@pytest.mark.child_process
+def test_host_ms_reads_steps_that_sync_inside_their_marker(captured):
+    run, _ = captured
+    rows = profile.host_ms(Path(run).parents[2].parent / "marked", "serve step")
+    assert len(rows) == 2 and all(0 < device < wall for wall, device in rows)  # each step ran its program
+    with pytest.raises(ValueError, match="0 event\\(s\\) named 'step' in the trace; mark each step with marker"):
+        profile.host_ms(Path(run).parents[2].parent / "marked", "step")
+
+
+def test_host_ms_counts_overlapping_programs_once_and_prefers_the_device_line(tmp_path):
+    def event(name, ms, dur, pid=1, tid=1):
+        return dict(ph="X", name=name, ts=ms * 1000, dur=dur * 1000, pid=pid, tid=tid)
+    cpu = [event("s", 0, 1), event("s", 10, 1), event("s", 30, 1),
+           event(profile.THUNKS, 2, 4, tid=2), event(profile.THUNKS + " (wait for completion)", 3, 5, tid=3),
+           event(profile.THUNKS, 8, 4, tid=2),  # crosses the second step's start: 2 ms in each
+           event("fusion.1", 20, 9, tid=2)]     # an op event: not a program span (XLA:CPU samples them)
+    with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=cpu), f)
+    assert profile.host_ms(tmp_path, "s") == [(10, 8), (20, 2)]  # [2, 8) and [8, 10); [10, 12)
+    names = [dict(ph="M", name="process_name", pid=2, args=dict(name="/device:TPU:0")),
+             dict(ph="M", name="thread_name", pid=2, tid=7, args=dict(name="XLA Modules"))]
+    tpu = cpu + names + [event("jit_decode", 12, 15, pid=2, tid=7)]
+    with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=tpu), f)
+    assert profile.host_ms(tmp_path, "s") == [(10, 0), (20, 15)]  # the device's modules only

@@ -668,7 +668,8 @@ def test_every_eos_id_of_the_model_ends_a_request(model_dir, greedy, tmp_path):
     generation = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [1, tokens[k]]}))
     assert serve.decoder(TOK, LlamaConfig(eos_token_id=[5, 6]), folder)[1] == {TOK.eos_id, 5, 6, 1, tokens[k]}
-    engine, tokenizer = serve.load_engine(folder, slots=1, max_seq_len=MAX_SEQ_LEN, buckets=(8,), dtype="fp32")
+    engine, tokenizer = serve.load_engine(folder, slots=1, max_seq_len=MAX_SEQ_LEN, buckets=(8,), dtype="fp32",
+                                          compile=True)  # the TPU's path, as `serve --compile` asks for it
     assert engine.eos_ids == {TOK.eos_id, 1, tokens[k]}  # config.json's is the byte tokenizer's
     with TestClient(api.app(engine, tokenizer, "tiny")) as client:
         out = client.post("/v1/completions", json=dict(prompt=LONG, max_tokens=40, temperature=0)).json()
@@ -756,6 +757,11 @@ def test_a_chat_template_that_fails_is_a_json_400_and_anything_unexpected_a_json
 def test_bad_argument_is_one_error_line(model_dir, args, message, capsys):
     code, _, err = cli(serve.main, [str(model_dir), "--port", "0", *args], capsys)
     assert one_error_line(code, err, message), (code, err[-2000:])
+
+
+def test_compile_flag_picks_the_engines_path(tmp_path):
+    flags = ([], ["--compile"], ["--no-compile"])
+    assert [serve.parse_args([str(tmp_path), *f]).compile for f in flags] == [None, True, False]  # None: on a TPU
 
 
 def test_api_key_from_the_environment_and_a_warning_without_one_off_loopback(tmp_path, monkeypatch, capsys):
