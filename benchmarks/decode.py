@@ -1,6 +1,6 @@
 """Decode speed, side by side, in one run on one machine: KV-cache decoding against its baselines.
 
-    python benchmarks/decode.py     # ~20 minutes; writes results/decode.json and results/decode_*.png
+    python benchmarks/decode.py     # ~15 minutes; writes results/decode.json and results/decode_*.png
 
 A ~56M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, MLP 1376, vocab 32000),
 fp32, random weights, 32-token prompts, 256 new tokens, batch 1 / 8 / 32, for:
