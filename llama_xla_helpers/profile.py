@@ -6,7 +6,8 @@
     plots.plot_timeline(step_timeline(run))
 
 A loop that syncs inside its step (a lazy serving step) marks steps with `marker("step")`
-instead, and `host_ms(run, "step")` gives each step's wall time less the time XLA ops ran in it.
+instead, and `host_ms(run, "step")` gives each step's wall time less the time compiled programs ran in it
+(`program_spans`).
 
 Any step function works: `capture(step, logdir, steps=3, warmup=2)` runs `step()` first `warmup`
 times (they compile), then `steps` times under the profiler, each inside `xp.StepTrace`, and
