@@ -10,7 +10,9 @@ Every step has the same shapes whatever the position: the cache is written with
 no position beyond them is in use (the serving engine). On XLA that is one compiled graph per
 input shape: one per prefill bucket, one for all decode steps (the LLaMA 65B latency post: "The Path to Achieve
 Ultra-Low Inference Latency With LLaMA 65B on PyTorch/XLA", PyTorch blog,
-https://pytorch.org/blog/path-achieve-low-inference-latency/).
+https://pytorch.org/blog/path-achieve-low-inference-latency/). A prompt section longer than
+`attention.BLOCK` tokens attends in blocks (`attention.blockwise_attention`), so its scores never
+exist whole: a long prompt's prefill needs memory linear in its length, not its square.
 
 Batches mix prompt lengths by left-padding: row b has `pad[b]` padding slots, so all rows
 write the same slots, and row b's token at slot p has RoPE position p - pad[b], as if it
@@ -28,6 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig
+
+from . import attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the dtypes by the names the CLIs take
 
@@ -269,12 +273,14 @@ class Attention(nn.Module):
         # are grouped (n_kv_heads, n_rep) and read the cache as it is, never repeated n_rep times.
         q = q.view(bsz, seqlen, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
 
-        # einsum, not matmul: matmul flattens (bsz, heads) and makes GSPMD gather the head-sharded cache
-        scores = torch.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(self.head_dim)  # (bsz, g, r, seqlen, kv_len)
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (bsz, 1, 1, seqlen, kv_len)
-        probs = F.softmax(scores.float(), dim=-1).type_as(q)
-        y = torch.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(bsz, seqlen, -1)  # (bsz, seqlen, n_heads * head_dim)
-        return self.o_proj(y)
+        if seqlen > attention.BLOCK:  # a long prompt section: in blocks, never the whole (seqlen, kv_len) scores
+            y = attention.blockwise_attention(q, k, v, scale=1 / math.sqrt(self.head_dim), mask=mask[:, 0])
+        else:  # einsum, not matmul: matmul flattens (bsz, heads) and makes GSPMD gather the head-sharded cache
+            scores = torch.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(self.head_dim)  # (bsz, g, r, seqlen, kv_len)
+            scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask: (bsz, 1, 1, seqlen, kv_len)
+            probs = F.softmax(scores.float(), dim=-1).type_as(q)
+            y = torch.einsum("bgrqk,bkgd->bqgrd", probs, v)  # (bsz, seqlen, g, r, head_dim)
+        return self.o_proj(y.reshape(bsz, seqlen, -1))  # y: (bsz, seqlen, n_heads * head_dim)
 
 
 class FeedForward(nn.Module):

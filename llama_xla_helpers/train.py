@@ -52,6 +52,7 @@ from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
 from .model import DTYPES
 from .optim import KINDS, AdamW, Adafactor, Schedule, clip_grad_norm
+from .attention import IMPLEMENTATIONS, use as use_attention
 from .runlog import RunLog
 from .cli import ArgumentParser, int_list, user_errors
 from .runtime import chip, compile_cache_counters, compile_cache_summary, default_dtype, init_runtime
@@ -67,6 +68,7 @@ class TrainConfig:
     slices: int = 1                   # multi-slice pod: slices joined over the DCN, on the batch axis
     dtype: str = None                 # "bf16" or "fp32" parameters; None: runtime.default_dtype()
     strategy: str = "2d"              # "2d" (Tables 1 and 2 of the post) or "fsdp"
+    attention: str = "eager"          # "eager" (seq_len² weights), "blockwise" or "flash" (memory linear in seq_len)
     steps: int = 300                  # total optimizer steps (a resumed run stops here too)
     batch_size: int = 16              # sequences per optimizer step (the global batch), split over 'data'
     seq_len: int = 128                # tokens per sequence
@@ -137,13 +139,14 @@ def init_tile(config, seed, name, shape, row, col):
     return torch.empty(size).normal_(0.0, config.initializer_range, generator=gen)
 
 
-def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch.float32):
+def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch.float32, attention="eager"):
     """A sharded LlamaForCausalLM, built on the meta device and materialized one parameter at a
     time, so the unsharded model never sits in host memory: random weights, or those of `init_from`
     (a local HF directory), of which each host reads only the blocks its devices hold.
 
     dtype: of the parameters (bf16 on a TPU). Norms, softmax, the loss and Adafactor's state and
-    update are computed in fp32 whatever it is."""
+    update are computed in fp32 whatever it is. attention: "eager", "blockwise" or "flash"
+    (`attention.use`: flash runs on a TPU, blockwise wherever the kernel cannot)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffer, computed on the CPU
@@ -153,6 +156,7 @@ def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch
         shard_activations(model, mesh)  # its own eager attention, with Table 2's annotations
     else:  # SDPA's mask shortcut reads the attention mask back to the host: a sync inside every step
         model.set_attn_implementation("eager")  # (on XLA, SDPA lowers to the same math)
+    use_attention(model, mesh, attention)
     return model
 
 
@@ -300,6 +304,8 @@ def check_config(cfg):
                          f"or None to pick one for the devices there are")
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"strategy={cfg.strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if cfg.attention not in IMPLEMENTATIONS:
+        raise ValueError(f"attention={cfg.attention!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.dtype is None:
@@ -498,7 +504,7 @@ def train(cfg, group=None):
         raise ValueError(f"the held-out split has {len(val_set[0])} rows of seq_len={cfg.seq_len}, fewer than "
                          f"batch_size={cfg.batch_size}, and evaluation needs one whole batch; use more data, a "
                          f"smaller batch_size or a shorter seq_len")
-    model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype])
+    model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype], cfg.attention)
     prepare_layers(model, cfg)
     optimizer = make_optimizer(cfg, model.parameters())
     start = 0
@@ -674,7 +680,7 @@ def profile_step(cfg):
     (activations), matmuls and collectives (needs init_runtime(hlo_dump_dir=...) and shapes not
     compiled before in this process)."""
     cfg, mesh, config = setup(cfg)
-    model = build_model(config, mesh, cfg.strategy, cfg.seed, dtype=DTYPES[cfg.dtype])
+    model = build_model(config, mesh, cfg.strategy, cfg.seed, dtype=DTYPES[cfg.dtype], attention=cfg.attention)
     prepare_layers(model, cfg)
     model.train()  # HF checkpoints layers only in training mode
     optimizer = make_optimizer(cfg, model.parameters())

@@ -1,0 +1,206 @@
+"""Attention whose memory grows with the sequence, not its square: one function for training and prefill.
+
+    use(model, mesh)                        # a Hugging Face Llama attends with default_implementation()
+    blockwise_attention(q, k, v, scale=s)   # FlashAttention-2's algorithm in PyTorch (any device)
+    default_implementation()                # "flash" on a TPU, "blockwise" elsewhere
+
+Eager attention (`sharding.sharded_eager_attention`, Table 2's) builds the (bsz, heads, seqlen,
+seqlen) scores and an fp32 softmax of them and keeps both for the backward pass: 32 heads x 8,192²
+x 4 bytes = 8.6 GB per sequence for Llama 3 8B's scores alone. The two paths here never hold more
+than one block of them:
+
+- "flash": torch_xla's Pallas kernel (`torch_xla.experimental.custom_kernel.flash_attention`),
+  TPU only, given Table 2's partition spec for the batch and heads so that each device runs it
+  on its own rows and heads. Causal, with segment ids for rows that pack several documents.
+- "blockwise": the same algorithm in PyTorch, which XLA compiles to one unrolled loop over
+  (query block, key block) pairs: an online softmax over the key blocks (FlashAttention, Dao et
+  al. 2022) whose forward saves only the output and the log-sum-exp of each query, and a backward
+  that recomputes each block's probabilities from them (FlashAttention-2, Dao 2023). Causal
+  blocks above the diagonal are skipped. Without the custom backward, autograd would keep every
+  block's probabilities and the memory would not fall.
+
+Where the kernel cannot run (a CPU, a sequence not a multiple of its 128-token blocks) "flash"
+falls back to "blockwise". Only a TPU runs the kernel; the tests check the arguments it is given.
+"""
+from functools import partial
+
+import torch
+import torch_xla.runtime as xr
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from .sharding import ACTIVATION_SPECS, batch_spec
+
+IMPLEMENTATIONS = ("eager", "blockwise", "flash")
+BLOCK = 512            # tokens per query block and per key block (the kernel's default blocks)
+FLASH_MIN_BLOCK = 128  # the kernel tiles the sequence in blocks of at least this many tokens
+
+
+def on_tpu():
+    return xr.device_type() == "TPU"
+
+
+def default_implementation():
+    """What training and prefill run when not told: the kernel on a TPU, the blockwise loop elsewhere."""
+    return "flash" if on_tpu() else "blockwise"
+
+
+def _blocks(n, block):
+    return [slice(i, min(i + block, n)) for i in range(0, n, block)]
+
+
+def _scores(q, k, scale, keep):
+    """Masked scores of a query block against a key block, fp32: (bsz, Bq, g, r, Bk)."""
+    scores = torch.einsum("bqgrd,bkgd->bqgrk", q, k).float() * scale
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def _keep(i, j, mask, segment_ids, device):
+    """Which keys of block j each query of block i reads: (1 or bsz, Bq, 1, 1, Bk) bool. From `mask`
+    if given, else causal over the row and, with segment ids, inside the query's segment."""
+    if mask is not None:
+        keep = mask[:, i, j]  # (bsz, Bq, Bk)
+    else:
+        pos = torch.arange(i.start, i.stop, device=device)
+        keep = (torch.arange(j.start, j.stop, device=device) <= pos[:, None])[None]  # (1, Bq, Bk)
+        if segment_ids is not None:
+            keep = keep & (segment_ids[:, i, None] == segment_ids[:, None, j])  # (bsz, Bq, Bk)
+    return keep[:, :, None, None]
+
+
+def _pairs(s, t, block, causal_skip):
+    """The (query block, key block) pairs to compute; with causal_skip (queries and keys both at
+    0 ... s-1) those above the diagonal, which read nothing, are left out."""
+    return [(i, [j for j in _blocks(t, block) if not (causal_skip and j.start >= i.stop)])
+            for i in _blocks(s, block)]
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """Forward: an online softmax over key blocks, saving the output and the log-sum-exp only.
+    Backward: FlashAttention-2's, each block's probabilities recomputed from the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, segment_ids, scale, block):
+        outs, lses = [], []
+        for i, js in _pairs(q.shape[1], k.shape[1], block, mask is None):
+            m = torch.full(q[:, i].shape[:-1], float("-inf"), device=q.device)  # (bsz, Bq, g, r) running max
+            l = torch.zeros_like(m)                                             # running sum of exp
+            acc = torch.zeros(q[:, i].shape, device=q.device)                   # (bsz, Bq, g, r, head_dim)
+            for j in js:
+                s = _scores(q[:, i], k[:, j], scale, _keep(i, j, mask, segment_ids, q.device))
+                m_new = torch.maximum(m, s.amax(-1))
+                m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a query that has read no key yet
+                p = torch.exp(s - m_safe[..., None])                     # (bsz, Bq, g, r, Bk)
+                alpha = torch.exp(m - m_safe)                            # rescales what the earlier blocks summed
+                l = l * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + torch.einsum("bqgrk,bkgd->bqgrd", p.to(v.dtype), v[:, j]).float()
+                m = m_new
+            outs.append((acc / l[..., None]).to(q.dtype))
+            lses.append(m + torch.log(l))
+        out, lse = torch.cat(outs, 1), torch.cat(lses, 1)  # (bsz, seqlen, g, r, head_dim), (bsz, seqlen, g, r)
+        ctx.save_for_backward(q, k, v, out, lse, mask, segment_ids)
+        ctx.scale, ctx.block = scale, block
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask, segment_ids = ctx.saved_tensors
+        dout = dout.to(q.dtype)
+        delta = (dout.float() * out.float()).sum(-1)  # (bsz, seqlen, g, r): rowsum(dO * O)
+        dq = []
+        dk, dv = {}, {}  # key block start -> (bsz, Bk, g, head_dim) fp32, summed over the query blocks
+        for i, js in _pairs(q.shape[1], k.shape[1], ctx.block, mask is None):
+            dq_i = torch.zeros(q[:, i].shape, device=q.device)
+            for j in js:
+                s = _scores(q[:, i], k[:, j], ctx.scale, _keep(i, j, mask, segment_ids, q.device))
+                p = torch.exp(s - lse[:, i, ..., None])  # (bsz, Bq, g, r, Bk); masked keys: exp(-inf) = 0
+                dv_j = torch.einsum("bqgrk,bqgrd->bkgd", p.to(q.dtype), dout[:, i]).float()
+                dp = torch.einsum("bqgrd,bkgd->bqgrk", dout[:, i], v[:, j]).float()
+                ds = (p * (dp - delta[:, i, ..., None]) * ctx.scale).to(q.dtype)
+                dq_i = dq_i + torch.einsum("bqgrk,bkgd->bqgrd", ds, k[:, j]).float()
+                dk_j = torch.einsum("bqgrk,bqgrd->bkgd", ds, q[:, i]).float()
+                dk[j.start] = dk[j.start] + dk_j if j.start in dk else dk_j
+                dv[j.start] = dv[j.start] + dv_j if j.start in dv else dv_j
+            dq.append(dq_i)
+        starts = sorted(dk)  # every key block: the last query block reads them all
+        return (torch.cat(dq, 1).to(q.dtype), torch.cat([dk[j] for j in starts], 1).to(k.dtype),
+                torch.cat([dv[j] for j in starts], 1).to(v.dtype), None, None, None, None)
+
+
+def blockwise_attention(q, k, v, *, scale, segment_ids=None, mask=None, block=BLOCK):
+    """Attention in blocks of `block` queries and keys: (bsz, seqlen, g, r, head_dim), memory linear in seqlen.
+
+    q: (bsz, seqlen, g, r, head_dim), g KV heads with r query heads each (GQA, never repeated);
+    k, v: (bsz, kv_len, g, head_dim). Without a mask, causal over the row (kv_len = seqlen; blocks
+    above the diagonal are skipped) and, with segment_ids (bsz, seqlen), only inside each query's
+    segment: documents packed into one row. mask: (bsz, seqlen, kv_len) bool, which keys each
+    query reads (the inference model's cache slots); every block is computed, and the mask (one
+    byte per score, for all heads) is the one square left."""
+    if mask is None and k.shape[1] != q.shape[1]:
+        raise ValueError(f"causal attention over the row needs as many keys as queries, but q has {q.shape[1]} "
+                         f"and k {k.shape[1]}; pass a mask (bsz, {q.shape[1]}, {k.shape[1]}) of the keys each reads")
+    return BlockwiseAttention.apply(q, k, v, mask, segment_ids, scale, block)
+
+
+def flash_attention(query, key, value, scale, segment_ids=None, mesh=None):
+    """torch_xla's Pallas flash attention (TPU only), causal: (bsz, seqlen, heads, head_dim).
+
+    query (bsz, heads, seqlen, head_dim), key / value (bsz, kv_heads, seqlen, head_dim) as Hugging
+    Face hands them; the kernel wants as many KV heads as query heads, so they are repeated. Under
+    SPMD each device runs it on the batch and heads Table 2 gives it (`partition_spec`)."""
+    from torch_xla.experimental.custom_kernel import flash_attention as kernel
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)  # (bsz, heads, seqlen, head_dim)
+    spec = None if mesh is None else batch_spec(ACTIVATION_SPECS["attn_weights"], mesh)
+    out = kernel(query, key, value, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                 sm_scale=scale, partition_spec=spec, mesh=mesh)
+    return out.transpose(1, 2)
+
+
+def hf_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *, implementation, mesh=None,
+                 block=BLOCK, segment_ids=None, **kwargs):
+    """A Hugging Face attention function (`AttentionInterface`) running "blockwise" or "flash".
+
+    query (bsz, heads, seqlen, head_dim), key / value (bsz, kv_heads, seqlen, head_dim); returns
+    ((bsz, seqlen, heads, head_dim), None): no attention weights exist to return. Causal over the
+    row; `segment_ids` (bsz, seqlen), passed to the model's forward, keep packed documents apart.
+    The attention_mask is None (`use` registers no mask): rows carry no padding in training."""
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} is not supported by {implementation!r} attention; "
+                         f"set the config's attention_dropout to 0 (Llama's default)")
+    if implementation == "flash" and on_tpu() and query.shape[2] % FLASH_MIN_BLOCK == 0:
+        return flash_attention(query, key, value, scaling, segment_ids, mesh), None
+    q = query.transpose(1, 2).unflatten(2, (key.shape[1], -1))  # (bsz, seqlen, g, r, head_dim)
+    out = blockwise_attention(q, key.transpose(1, 2), value.transpose(1, 2), scale=scaling, segment_ids=segment_ids,
+                              block=block)
+    return out.flatten(2, 3), None  # (bsz, seqlen, heads, head_dim)
+
+
+def no_mask(*args, **kwargs):
+    """The mask function registered beside `hf_attention`: none, so no (bsz, 1, seqlen, seqlen) mask is built."""
+    return None
+
+
+_NAMES = {}  # (implementation, str(mesh), block) -> the name its attention function is registered under
+
+
+def use(model, mesh=None, implementation=None, block=None):
+    """Make a Hugging Face Llama attend with `implementation` (default `default_implementation()`),
+    in blocks of `block` tokens (default BLOCK) where it runs "blockwise".
+
+    "eager" leaves the model's attention as it is (Table 2's, from `sharding.shard_activations`,
+    or Hugging Face's). Registered under one name per (implementation, mesh): the registry is
+    process-wide. Returns the implementation."""
+    implementation = implementation or default_implementation()
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    if implementation == "eager":
+        return implementation
+    block = block or BLOCK
+    key = (implementation, str(mesh), block)
+    name = _NAMES.setdefault(key, f"llama_xla_attention_{len(_NAMES)}")  # no "flash": Transformers reads that
+    AttentionInterface.register(name, partial(hf_attention, implementation=implementation, mesh=mesh, block=block))
+    AttentionMaskInterface.register(name, no_mask)
+    model.set_attn_implementation(name)
+    return implementation
