@@ -11,7 +11,9 @@
    - the whole training step (forward, backward and Adafactor): seconds compiling the first two
      steps (step 1, which creates the optimizer state, and every later step), their wall time
      (tracing, scan's AOTAutograd trace, compiling, running), and the median of 5 steady steps.
-   A line fitted to each compile time: seconds per added layer. The whole step goes to 32 layers:
+   Eager attention (`attention="eager"`, as measured: at 32 tokens the blockwise
+   loop is one block, and benchmarks/attention.py compares the two). A line fitted to each compile
+   time: seconds per added layer. The whole step goes to 32 layers:
    unrolled, its compile took 305 s there and grows faster than linearly.
 2. The persistent cache. The same tiny training step and the same one-token `Generator` run, each
    in a fresh process, cold (empty cache folder) and then warm (the folder the cold run filled):
@@ -65,7 +67,7 @@ def child(what, cache):
     from llama_xla_helpers.train import TrainConfig
 
     if what == "train":
-        first_steps(TrainConfig(batch_size=BATCH, seq_len=SEQ, compile_cache=cache), 1)
+        first_steps(TrainConfig(batch_size=BATCH, seq_len=SEQ, attention="eager", compile_cache=cache), 1)
     else:
         init_runtime(cache_dir=cache)
         from llama_xla_helpers.doctor import tiny_llama
@@ -99,7 +101,7 @@ def forward_backward(layers, scan):
     from llama_xla_helpers.metrics import compile_seconds
     from llama_xla_helpers.train import TrainConfig, build_model, first_batch, forward_loss, prepare_layers, setup
 
-    cfg, mesh, _ = setup(TrainConfig(batch_size=BATCH, seq_len=SEQ, scan_layers=scan))
+    cfg, mesh, _ = setup(TrainConfig(batch_size=BATCH, seq_len=SEQ, attention="eager", scan_layers=scan))
     model = build_model(get_config("tiny", num_hidden_layers=layers), mesh)
     prepare_layers(model, cfg)
     ids = first_batch(cfg, mesh)
@@ -136,7 +138,8 @@ def measure(part, layers, scan):
     init_runtime(cpu_devices=8)
     if part == "forward_backward":
         return dict(layers=layers, scan=scan, compile_s=forward_backward(layers, scan))
-    compiled_s, times = first_steps(TrainConfig(batch_size=BATCH, seq_len=SEQ, scan_layers=scan), 2 + STEADY, layers)
+    compiled_s, times = first_steps(TrainConfig(batch_size=BATCH, seq_len=SEQ, attention="eager", scan_layers=scan),
+                                    2 + STEADY, layers)
     steady = [b - a for a, b in zip(times[2:], times[3:])]
     return dict(layers=layers, scan=scan, compile_s=compiled_s, first_two_steps_s=times[2] - times[0],
                 step_ms=1e3 * statistics.median(steady))

@@ -3,8 +3,9 @@
     python benchmarks/remat.py
 
 The tiny model at sequence length 512 (where activations outweigh the weights), on mesh_shape's
-pick for 8 CPU devices, in one process: fp32 and bf16, each without and with gradient
-checkpointing (fp32 without is the baseline). Time per step is train()'s steady-state
+pick for 8 CPU devices, with Table 2's eager attention (as measured; benchmarks/attention.py
+measures the blockwise attention train() runs on a CPU by default), in one process: fp32 and
+bf16, each without and with gradient checkpointing (fp32 without is the baseline). Time per step is train()'s steady-state
 throughput over 12 steps (the two that compile are left out). Scratch memory is the compiled
 step's "preallocated-temp" in XLA's buffer assignment (`train.profile_step`), with XLA:CPU's
 memory-minimizing scheduler: its default schedules for concurrency and keeps every layer's
@@ -29,7 +30,7 @@ def main():
     from llama_xla_helpers import plots
     from llama_xla_helpers.train import TrainConfig, profile_step, train
 
-    base = TrainConfig(model="tiny", steps=STEPS, batch_size=BATCH, seq_len=SEQ, eval_every=0)
+    base = TrainConfig(model="tiny", steps=STEPS, batch_size=BATCH, seq_len=SEQ, eval_every=0, attention="eager")
     rows = []
     for dtype in ("fp32", "bf16"):
         for remat in (False, True):

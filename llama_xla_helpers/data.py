@@ -49,6 +49,10 @@ IGNORE_U32 = 0xFFFFFFFF      # IGNORE_INDEX as stored in a .u32 file (no token h
 TOKENS_FORMAT = "llama-xla tokens v1: uint32 little-endian, flat; a document is [BOS] + text + [EOS]"
 SFT_FORMAT = ("llama-xla sft v1: uint32 little-endian rows of 2 * seq_len: ids, then labels "
               f"({IGNORE_U32:#x} = {IGNORE_INDEX}); right-padded with the pad id")
+SFT_PACKED_FORMAT = ("llama-xla sft packed v1: uint32 little-endian rows of 4 * seq_len: ids, labels "
+                     f"({IGNORE_U32:#x} = {IGNORE_INDEX}), segment ids, positions; conversations packed next-fit, "
+                     "the rest of a row padded with the pad id as one more segment")
+SFT_COLUMNS = {False: 2, True: 4}  # packed -> columns of seq_len per row: ids, labels (, segment ids, positions)
 PIECE_CHARS = 1 << 20        # a text file is tokenized in pieces of about this many characters,
 PIECES_PER_CALL = 8          # this many at a time
 BATCH_DOCS = 512             # JSONL documents (or conversations) encoded per call
@@ -604,67 +608,105 @@ def sft_example(tokenizer, messages, where="conversation"):
     return ids, np.where(assistant, ids, IGNORE_INDEX)
 
 
-def _sft_rows(data, tokenizer, seq_len, long, stats):
-    """Rows of 2 * seq_len uint32 (ids, labels) of the conversations of a JSONL file; counts in `stats`."""
-    _, _, pad = special_ids(tokenizer)
-    for batch in _batches(_jsonl(data), BATCH_DOCS):
-        rows = []
-        for n, record in batch:
-            stats["conversations"] += 1
-            where = f"{data} line {n}"
-            if "messages" not in record:
-                raise ValueError(f"{where}: no field 'messages' (its fields: {', '.join(map(repr, record)) or 'none'}); "
-                                 f"each line must be an object with 'messages': [{{\"role\", \"content\"}}, ...]")
-            ids, labels = sft_example(tokenizer, record["messages"], where)
-            if len(ids) > seq_len:
-                stats["longest"] = max(stats["longest"], len(ids))
-                if long == "drop":
-                    stats["dropped_too_long"] += 1
-                    continue
-                stats["truncated"] += 1
-                ids, labels = ids[:seq_len], labels[:seq_len]
-            if not (labels[1:] != IGNORE_INDEX).any():  # position 0 predicts nothing (the labels shift)
-                stats["dropped_no_assistant"] += 1
+def _sft_examples(data, tokenizer, seq_len, long, stats):
+    """(ids, labels) of each conversation of a JSONL file that fits in seq_len (or is cut to it); counts in `stats`."""
+    for n, record in _jsonl(data):
+        stats["conversations"] += 1
+        where = f"{data} line {n}"
+        if "messages" not in record:
+            raise ValueError(f"{where}: no field 'messages' (its fields: {', '.join(map(repr, record)) or 'none'}); "
+                             f"each line must be an object with 'messages': [{{\"role\", \"content\"}}, ...]")
+        ids, labels = sft_example(tokenizer, record["messages"], where)
+        if len(ids) > seq_len:
+            stats["longest"] = max(stats["longest"], len(ids))
+            if long == "drop":
+                stats["dropped_too_long"] += 1
                 continue
-            row = np.full(2 * seq_len, IGNORE_U32, dtype=TOKEN_DTYPE)
-            row[:seq_len] = pad
-            row[:len(ids)] = ids
-            row[seq_len:seq_len + len(ids)] = np.where(labels == IGNORE_INDEX, IGNORE_U32, labels)
-            rows.append(row)
-        stats["rows"] += len(rows)
-        if rows:
-            yield np.concatenate(rows)
+            stats["truncated"] += 1
+            ids, labels = ids[:seq_len], labels[:seq_len]
+        if not (labels[1:] != IGNORE_INDEX).any():  # position 0 predicts nothing (the labels shift)
+            stats["dropped_no_assistant"] += 1
+            continue
+        yield ids, labels
 
 
-def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", lead=True, wait=None):
+def pack_next_fit(examples, seq_len):
+    """Lists of examples (ids, labels) whose lengths add up to at most seq_len, in order: each joins
+    the row being filled if it fits, else starts the next (next-fit: one pass, no reordering)."""
+    row, used = [], 0
+    for example in examples:
+        if row and used + len(example[0]) > seq_len:
+            yield row
+            row, used = [], 0
+        row.append(example)
+        used += len(example[0])
+    if row:
+        yield row
+
+
+def sft_row(examples, seq_len, pad, packed=False):
+    """One SFT file row of the conversations `examples` [(ids, labels), ...], which fit in seq_len
+    together, right-padded with `pad`: (2 * seq_len,) uint32, ids then labels; packed: (4 * seq_len,),
+    then each token's segment (its conversation's index in the row) and its position in it.
+
+    A packed row's conversations do not learn across their boundaries: each starts with a token
+    whose label is ignored (BOS or a header, never the assistant's), so no token of one predicts
+    the next one's first. The padding is one more segment, so that no conversation reads it."""
+    row = np.zeros((SFT_COLUMNS[packed], seq_len), dtype=TOKEN_DTYPE)
+    row[0], row[1] = pad, IGNORE_U32
+    start = 0
+    for segment, (ids, labels) in enumerate(examples):
+        end = start + len(ids)
+        row[0, start:end] = ids
+        row[1, start:end] = np.where(labels == IGNORE_INDEX, IGNORE_U32, labels)
+        if packed:
+            row[2, start:end], row[3, start:end] = segment, np.arange(len(ids))
+        start = end
+    if packed:
+        row[2, start:], row[3, start:] = len(examples), np.arange(seq_len - start)
+    return row.reshape(-1)
+
+
+def _sft_rows(data, tokenizer, seq_len, long, stats, packed=False):
+    """Rows (`sft_row`) of the conversations of a JSONL file: one per row, or packed next-fit; counts in `stats`."""
+    _, _, pad = special_ids(tokenizer)
+    examples = _sft_examples(data, tokenizer, seq_len, long, stats)
+    for batch in _batches(pack_next_fit(examples, seq_len) if packed else ([e] for e in examples), BATCH_DOCS):
+        stats["rows"] += len(batch)
+        stats["conversation_tokens"] += sum(len(ids) for group in batch for ids, _ in group)
+        yield np.concatenate([sft_row(group, seq_len, pad, packed) for group in batch])
+
+
+def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", packed=False, lead=True, wait=None):
     """The path (or URL) of the SFT rows of a JSONL file of conversations ("messages": [{"role",
     "content"}, ...] per line), written once to `directory/sft-<sha>.u32` as `token_file` writes
     (same atomic write, lead / wait and folder rules; <sha> also covers the chat template,
-    seq_len and `long`). Each conversation is one row (`sft_example`), right-padded to seq_len
-    with the pad id (labels IGNORE_INDEX; causal attention keeps the real tokens from seeing the
-    padding, so no attention mask is needed). Read it with `sft_rows`.
+    seq_len, `long` and `packed`). Read it with `sft_rows`.
+
+    Not packed: each conversation is one row (`sft_example`), right-padded to seq_len with the pad
+    id (labels IGNORE_INDEX; causal attention keeps the real tokens from seeing the padding, so
+    no attention mask is needed), and the padding is compute spent on nothing. Packed: as many
+    conversations per row as fit in order (`pack_next_fit`), each with its segment id and its
+    positions from 0 (`sft_row`), for attention that keeps segments apart (`attention.py`'s
+    blockwise and flash: eager attention cannot, the segment ids would need a (bsz, 1, seq_len,
+    seq_len) mask per step) and RoPE that starts each conversation at position 0, so each
+    conversation's loss is what it is alone in a row.
 
     A conversation longer than seq_len is dropped (long="drop", the default: a cut row loses the
     end of its last reply with its end token, and cutting only ever hits the longest replies) or
     cut to seq_len (long="truncate"); conversations left with no assistant token are dropped. A
-    warning gives the counts, which the meta (`file_meta`) keeps.
-
-    Not packed: each row holds one conversation. Packing several per row needs attention that
-    does not cross conversations: Hugging Face Llama does that only from position_ids that
-    restart (flash-attention's varlen kernels, not here) or from a block-diagonal 4D mask per
-    row, and training here runs the eager attention of `sharding.shard_activations` with an
-    all-ones 2D attention_mask (train.forward_loss: without one Transformers reads the position
-    ids back to the host, looking for packed sequences, every step); a block-diagonal mask would
-    be one more (bsz, 1, seq_len, seq_len) input per step, built from per-row boundaries. Padding
-    wastes the rest of each row instead.
+    warning gives the counts, which the meta (`file_meta`) keeps, with the rows written and the
+    tokens of their conversations.
     """
     if long not in ("drop", "truncate"):
         raise ValueError(f"long={long!r} must be 'drop' or 'truncate'")
     _check_file(data, what="SFT file", fix="pass a JSONL file with 'messages' per line")
     tok_sha = tokenizer_sha(tokenizer, chat=True)
-    name = _name("sft", SFT_FORMAT, _data_sha(data), tok_sha, seq_len, long)
-    stats = dict(conversations=0, rows=0, dropped_too_long=0, truncated=0, dropped_no_assistant=0, longest=0)
-    meta = {"format": SFT_FORMAT, "data": str(data), "seq_len": seq_len, "long": long, "tokenizer_sha256": tok_sha}
+    fmt = SFT_PACKED_FORMAT if packed else SFT_FORMAT
+    name = _name("sft", fmt, _data_sha(data), tok_sha, seq_len, long)
+    stats = dict(conversations=0, rows=0, conversation_tokens=0, dropped_too_long=0, truncated=0,
+                 dropped_no_assistant=0, longest=0)
+    meta = {"format": fmt, "data": str(data), "seq_len": seq_len, "long": long, "tokenizer_sha256": tok_sha}
 
     def counted():  # runs once every row is written, before the file is renamed into place
         if stats["rows"] == 0:
@@ -673,7 +715,7 @@ def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", lead=True
         meta.update(stats)
 
     def write(path):
-        _write_atomic(path, _then(_sft_rows(data, tokenizer, seq_len, long, stats), counted), meta)
+        _write_atomic(path, _then(_sft_rows(data, tokenizer, seq_len, long, stats, packed), counted), meta)
         if stats["dropped_too_long"] or stats["truncated"]:
             what = "dropped" if long == "drop" else "truncated"
             warnings.warn(f"{data}: {what} {stats['dropped_too_long'] + stats['truncated']} of "
@@ -691,24 +733,28 @@ def _then(iterable, done):
 
 
 def sft_rows(path, seq_len, val_fraction=0.1):
-    """((train ids, train labels), (val ids, val labels)) TokenRows of an SFT file; the last
-    `val_fraction` of the conversations are held out."""
-    train, val = split_rows(TokenRows(path, seq_len, stride=2 * seq_len).n_rows, val_fraction)
-    part = lambda start, n: tuple(TokenRows(path, seq_len, start, n, stride=2 * seq_len, column=c)  # noqa: E731
-                                  for c in (0, seq_len))
+    """The columns of an SFT file as TokenRows, (train, val): (ids, labels), and for a packed file
+    (its meta says) (ids, labels, segment ids, positions); the last `val_fraction` of the rows are
+    held out."""
+    columns = SFT_COLUMNS[file_meta(path)["format"] == SFT_PACKED_FORMAT]
+    stride = columns * seq_len
+    train, val = split_rows(TokenRows(path, seq_len, stride=stride).n_rows, val_fraction)
+    part = lambda start, n: tuple(TokenRows(path, seq_len, start, n, stride=stride, column=c * seq_len)  # noqa: E731
+                                  for c in range(columns))
     return part(0, train), part(train, val)
 
 
 # --- Everything a training loop needs ---------------------------------------------------------
 
 def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, *, val_fraction=0.1,
-                  lead=True, wait=None, long="drop"):
+                  lead=True, wait=None, long="drop", packed=False):
     """(train, val) TensorDatasets of TokenRows for `sharded_loader`.
 
     Pretraining (data: None for the pydoc corpus, a text file or a .jsonl file): each dataset
     holds one (n, seq_len) tensor of ids; the labels are the ids. SFT (sft: a .jsonl file of
     conversations; not with data): two, (ids, labels), to pass as model(input_ids=ids,
-    labels=labels). tokenizer: a loaded one, a folder, or None for the byte tokenizer.
+    labels=labels); packed (`sft_file`), four: (ids, labels, segment ids, positions).
+    tokenizer: a loaded one, a folder, or None for the byte tokenizer.
     directory: where the token file goes (the checkpoint_dir; None: a temporary folder).
     lead, wait: on a pod, process 0 writes (lead) and the others wait for its file (`token_file`).
     """
@@ -717,9 +763,9 @@ def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, 
     if sft is not None:
         if data is not None:
             raise ValueError("pass data (pretraining text) or sft (conversations), not both")
-        (ids, labels), (val_ids, val_labels) = sft_rows(
-            sft_file(sft, tokenizer, seq_len, directory, long=long, lead=lead, wait=wait), seq_len, val_fraction)
-        return TensorDataset(ids, labels), TensorDataset(val_ids, val_labels)
+        train, val = sft_rows(sft_file(sft, tokenizer, seq_len, directory, long=long, packed=packed, lead=lead,
+                                       wait=wait), seq_len, val_fraction)
+        return TensorDataset(*train), TensorDataset(*val)
     train, val = token_rows(token_file(data, tokenizer, directory, lead=lead, wait=wait), seq_len, val_fraction)
     return TensorDataset(train), TensorDataset(val)
 

@@ -228,7 +228,7 @@ def critical_batch(chip, bytes_per_param=2):
 
 TRAIN_DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # parameter dtypes, by the names train.py takes
 OPTIMIZERS = ("adamw", "adafactor")         # optim.AdamW, optim.Adafactor
-ATTENTIONS = ("eager", "flash")             # HF's eager attention (this repo's), or a flash kernel
+ATTENTIONS = ("eager", "blockwise", "flash")  # attention.py's: Table 2's eager, the blockwise loop, the TPU kernel
 
 
 class _MeshShape:
@@ -302,7 +302,8 @@ class TrainingPlan:
         return self.total_bytes / _lookup(HBM_BYTES, chip, "chip")
 
 
-def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attention="eager", data=1, model=1):
+def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attention="eager", data=1, model=1,
+                     block=None):
     """Peak bytes per chip of a training step's activations: what the forward pass saves for the
     backward pass, plus the backward pass's largest transient gradients, for HF's LlamaForCausalLM
     trained as train.py does (norms, softmax, logits and loss in fp32; the rest in `dtype`).
@@ -315,7 +316,10 @@ def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attentio
       q after RoPE, k and v repeated to the query heads (GQA), attention output:
                                                            4 * p * b s H' hd
       eager: the softmax output, fp32 (a bf16 copy too for bf16):   (4 [+ p]) * b H' s^2
-      flash: no s x s matrix; its per-row max and sum, fp32:        2 * 4 * b H' s
+      flash (torch_xla's kernel saves q, k and v repeated, the output and each row's max and
+      sum, fp32): no s x s matrix:                                  2 * 4 * b H' s
+      blockwise (attention.py: k and v not repeated, G' = KV heads per chip; one fp32 log-sum-exp
+      per row): 2 * p * b s H' hd + 2 * p * b s G' hd + 4 * b H' s in place of the q, k, v, output line
       SwiGLU: gate, silu(gate), up, their product:         4 * p * b s I'
       the norms' 1/rms per token, fp32:                    2 * 4 * b s
     After the layers: the final norm (4 + 2p) b s d' + 4 b s, and the fp32 log-softmax of the
@@ -323,8 +327,11 @@ def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attentio
     Transients of the backward pass, of which the peak holds the largest, after the saved tensors
     of the layers still to go: at the loss, the gradients of the log-probabilities and of the fp32
     logits, 8 b s V' (for bf16 the logits' bf16 gradient comes once those two are freed); in a layer,
-    eager attention's gradients of the softmax output and of the scores, 2 * 4 * b H' s^2, or the
-    MLP's of gate, up and their product, 3 p b s I', whichever is larger. These are eager PyTorch's
+    eager attention's gradients of the softmax output and of the scores, 2 * 4 * b H' s^2 (blockwise:
+    one block pair's scores, probabilities and their gradient in fp32 and the scores' gradient,
+    (12 + p) * b H' B^2 for blocks of B = min(block, s) tokens, block defaulting to attention.BLOCK;
+    flash: none, the kernel's blocks live in the TPU core's VMEM), or the MLP's of gate, up and
+    their product, 3 p b s I', whichever is larger. These are eager PyTorch's
     tensors; XLA may fuse some away (the loss's) or keep more (its schedule decides what is live).
     remat=False: L * layer + max(tail + loss transients, layer transients).
     remat=True (gradient checkpointing per decoder layer): each layer's input, L * p * b s d', plus
@@ -348,9 +355,14 @@ def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attentio
     if attention == "eager":
         attn = 4 * p * heads + (4 if p == 4 else 4 + p) * scores
         attn_transient = 2 * 4 * scores
-    else:
+    elif attention == "flash":
         attn = 4 * p * heads + 2 * 4 * b * H * s
         attn_transient = 0
+    else:
+        from .attention import BLOCK
+        B = min(block or BLOCK, s)
+        attn = 2 * p * heads + 2 * p * b * s * split(config.num_key_value_heads) * hd + 4 * b * H * s
+        attn_transient = (12 + p) * b * H * B * B
     layer = norms + attn + 4 * p * mlp
     layer_transient = max(attn_transient, 3 * p * mlp)
     tail = (4 + 2 * p) * hidden + 4 * b * s + 4 * vocab
@@ -364,7 +376,7 @@ def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attentio
 
 
 def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", optimizer="adamw", remat=False, *,
-                  attention="eager", master_weights=True):
+                  attention="eager", master_weights=True, block=None):
     """Training memory plan per chip: parameters, gradients, optimizer state and activations, their
     total, and whether it fits in the HBM of each TPU generation in HBM_BYTES (a TrainingPlan).
 
@@ -372,9 +384,11 @@ def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", op
     (Tables 1 and 2 of the Llama 2 post) or "fsdp" (sharding.param_spec); batch: global sequences
     per step; dtype: the parameters', "bf16" or "fp32"; optimizer: "adamw" or "adafactor"
     (llama_xla_helpers.optim); remat: gradient checkpointing per decoder layer (TrainConfig's
-    gradient_checkpointing); attention: "eager" (HF's, what this repo trains with) or "flash" (a
-    kernel that never stores the s x s scores: MaxText's and torchprime's published runs);
-    master_weights: the optimizers' fp32 copy of bf16 parameters (on by default, as in optim).
+    gradient_checkpointing); attention: attention.py's implementation, "eager" (Table 2's s x s
+    scores), "blockwise" (the loop a CPU trains with; block: its tokens per block, default
+    attention.BLOCK) or "flash" (torch_xla's kernel, what a TPU trains with; MaxText's and
+    torchprime's published runs use such kernels); master_weights: the optimizers' fp32 copy of
+    bf16 parameters (on by default, as in optim).
 
     Parameters: each tensor's shard, split as sharding.param_spec splits it on this mesh (rounded
     up per dim as shard_shape reads it). Gradients: one per parameter, its dtype and split.
@@ -433,7 +447,7 @@ def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", op
         master = n if master_weights and p != 4 else 0
         state += 4 * (moments + master) + 4  # + the 0-d fp32 step
     acts = activation_bytes(config, batch, seq_len, dtype, remat, attention, data=data,
-                            model=model if strategy == "2d" else 1)
+                            model=model if strategy == "2d" else 1, block=block)
     # Gathered weights: XLA all-gathers a weight over the axes its matmul cannot use (FSDP: every axis; 2D:
     # 'data', Table 1's hidden split, which the batch holds), and reduces its gradient back: one decoder
     # layer's weights, or the lm_head's if larger, whole (FSDP) or split over 'model' (2D), and their gradient.

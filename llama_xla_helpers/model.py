@@ -12,7 +12,10 @@ input shape: one per prefill bucket, one for all decode steps (the LLaMA 65B lat
 Ultra-Low Inference Latency With LLaMA 65B on PyTorch/XLA", PyTorch blog,
 https://pytorch.org/blog/path-achieve-low-inference-latency/). A prompt section longer than
 `attention.BLOCK` tokens attends in blocks (`attention.blockwise_attention`), so its scores never
-exist whole: a long prompt's prefill needs memory linear in its length, not its square.
+exist whole (its bool cache mask, one byte per query and slot for all heads, does). `Generator`
+and the engine prefill a long prompt in sections of their largest bucket (512 tokens by default,
+not over BLOCK), so a section's (section, kv_len) scores grow with the prompt's length, not its
+square, and the eager path serves them.
 
 Batches mix prompt lengths by left-padding: row b has `pad[b]` padding slots, so all rows
 write the same slots, and row b's token at slot p has RoPE position p - pad[b], as if it

@@ -8,6 +8,11 @@ pretraining text or chat SFT, with the byte tokenizer or a Hugging Face one.
     python -m llama_xla_helpers.train --optimizer adamw --schedule cosine --warmup-steps 30 --clip-norm 1.0
     python -m llama_xla_helpers.train --tokenizer TOKENIZER_DIR --sft chats.jsonl --grad-accum 2 --checkpoint-dir ckpt
 
+Attention (attention.py): torch_xla's flash-attention kernel on a TPU, its algorithm as a
+blockwise loop elsewhere, so memory grows with seq_len, not its square; `--attention eager` for
+Table 2's attention weights. SFT packs several conversations into each row, kept apart by
+segment ids (`--no-pack`: one conversation per row).
+
 The same command runs on this CPU mesh and on a TPU VM or pod (every host runs it; only
 process 0 prints and writes shared files). The mesh defaults to `mesh.mesh_shape` for the
 devices there are; `--mesh 4,2` fixes it, `--slices 2` spans 2 slices of a multi-slice pod.
@@ -23,6 +28,7 @@ import signal
 import tempfile
 import threading
 import time
+from argparse import BooleanOptionalAction
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -52,7 +58,7 @@ from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
 from .model import DTYPES
 from .optim import KINDS, AdamW, Adafactor, Schedule, clip_grad_norm
-from .attention import IMPLEMENTATIONS, use as use_attention
+from .attention import IMPLEMENTATIONS, default_implementation, implementation as attention_of, use as use_attention
 from .runlog import RunLog
 from .cli import ArgumentParser, int_list, user_errors
 from .runtime import chip, compile_cache_counters, compile_cache_summary, default_dtype, init_runtime
@@ -68,7 +74,7 @@ class TrainConfig:
     slices: int = 1                   # multi-slice pod: slices joined over the DCN, on the batch axis
     dtype: str = None                 # "bf16" or "fp32" parameters; None: runtime.default_dtype()
     strategy: str = "2d"              # "2d" (Tables 1 and 2 of the post) or "fsdp"
-    attention: str = "eager"          # "eager" (seq_len² weights), "blockwise" or "flash" (memory linear in seq_len)
+    attention: str = None             # "eager" (seq_len² weights), "blockwise" or "flash"; None: flash on a TPU, else blockwise
     steps: int = 300                  # total optimizer steps (a resumed run stops here too)
     batch_size: int = 16              # sequences per optimizer step (the global batch), split over 'data'
     seq_len: int = 128                # tokens per sequence
@@ -83,6 +89,7 @@ class TrainConfig:
     seed: int = 0                     # of the random init and the batch order
     data: str = None                  # a local UTF-8 text file or JSONL ("text" per line); default: the embedded corpus
     sft: str = None                   # JSONL chat conversations ("messages"): fine-tune on the assistant's tokens only
+    pack: bool = None                 # --sft: several conversations per row (segment ids); None: unless eager or scan_layers
     tokenizer: str = None             # a local Hugging Face tokenizer folder; default: init_from's if it has one, else bytes
     init_from: str = None             # a local Hugging Face directory to fine-tune from; None: a random init (seed)
     checkpoint_dir: str = None        # a folder or gs:// URL for checkpoints and metrics.jsonl; None: neither is written
@@ -160,20 +167,41 @@ def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch
     return model
 
 
-def forward_loss(model, ids, labels=None, num_items=None):
+def forward_loss(model, ids, labels=None, num_items=None, segment_ids=None, position_ids=None):
     """Mean next-token loss of ids (bsz, seqlen) over the tokens `labels` (bsz, seqlen) predicts
     (default: ids, every token; IGNORE_INDEX where a token counts not). With num_items (a tensor), the sum
     of the token losses divided by it instead: a micro-batch's share of a larger batch's mean.
 
+    segment_ids, position_ids (bsz, seqlen): rows packing several conversations (`data.sft_row`),
+    each attending only inside its segment, at its own positions; blockwise or flash attention
+    (`attention.use`) reads the segment ids, eager attention cannot and refuses them.
+
     The explicit all-ones attention_mask keeps Transformers 5 from reading position ids back to the
     host (its packed-sequence check), which would cut the step's graph in two and stall the host
     every step."""
+    packed = {}
+    if segment_ids is not None:
+        if attention_of(model) == "eager":
+            raise ValueError("packed rows (segment_ids) need attention that keeps their conversations apart, "
+                             "and this model's is eager; use attention.use(model, mesh, 'blockwise') (train "
+                             "--attention blockwise), or rows of one conversation each (--no-pack)")
+        packed = dict(segment_ids=segment_ids, position_ids=position_ids)
     return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids if labels is None else labels,
-                 use_cache=False, num_items_in_batch=num_items).loss
+                 use_cache=False, num_items_in_batch=num_items, **packed).loss
 
 
-def optimizer_step(model, optimizer, ids, labels=None, grad_accum=1, clip_norm=0.0):
-    """One optimizer step on the batch ids (bsz, seqlen) (and its labels), traced, not run: returns
+PACKED = ("segment_ids", "position_ids")  # a packed SFT batch's columns after (ids, labels)
+
+
+def batch_args(batch):
+    """A loader batch, (ids,), (ids, labels) or (ids, labels, segment_ids, position_ids), as the
+    arguments of `forward_loss` and `optimizer_step`: ([ids, labels], {segment_ids, position_ids})."""
+    return list(batch[:2]), dict(zip(PACKED, batch[2:]))
+
+
+def optimizer_step(model, optimizer, ids, labels=None, grad_accum=1, clip_norm=0.0, **packed):
+    """One optimizer step on the batch ids (bsz, seqlen) (and its labels and, for packed rows, its
+    segment_ids and position_ids: `forward_loss`), traced, not run: returns
     (loss, grad_norm), device tensors: the batch's mean loss, and the global gradient norm before
     clipping to clip_norm (0: no clipping, the norm only; None: neither, grad_norm is None).
 
@@ -192,7 +220,7 @@ def optimizer_step(model, optimizer, ids, labels=None, grad_accum=1, clip_norm=0
     reductions into one, and the weights are gathered no more often. So K trades activation memory
     for K times the gradient traffic; on a pod, keep K small or the per-device batch large."""
     if grad_accum == 1:
-        loss = forward_loss(model, ids, labels)
+        loss = forward_loss(model, ids, labels, **packed)
         loss.backward()
     else:
         labels = ids if labels is None else labels
@@ -200,7 +228,8 @@ def optimizer_step(model, optimizer, ids, labels=None, grad_accum=1, clip_norm=0
         parts = lambda t: t.view(-1, grad_accum, t.shape[1])  # (bsz / K, K, seqlen): [:, k] is micro-batch k
         loss = 0
         for k in range(grad_accum):
-            part = forward_loss(model, parts(ids)[:, k], parts(labels)[:, k], count)
+            part = forward_loss(model, parts(ids)[:, k], parts(labels)[:, k], count,
+                                **{n: parts(t)[:, k] for n, t in packed.items()})
             part.backward()
             loss = loss + part.detach()
     grad_norm = None if clip_norm is None else clip_grad_norm(model.parameters(), clip_norm)
@@ -218,10 +247,13 @@ def train_step(model, optimizer, ids):
 @torch.no_grad()
 def evaluate(model, val_set, mesh, batch_size, batches):
     """Mean next-token loss (nats per token) on the first `batches` held-out batches of val_set:
-    (ids,) or (ids, labels), each (n, seqlen)."""
+    (ids,), (ids, labels) or packed SFT's (ids, labels, segment_ids, position_ids), each (n, seqlen)."""
     model.eval()
     loader = sharded_loader(TensorDataset(*val_set), batch_size, mesh)
-    losses = [forward_loss(model, *batch) for batch, _ in zip(loader, range(batches))]
+    losses = []
+    for batch, _ in zip(loader, range(batches)):
+        args, packed = batch_args(batch)
+        losses.append(forward_loss(model, *args, **packed))
     model.train()
     return torch.stack(losses).mean().item()
 
@@ -258,7 +290,7 @@ def lr_at(optimizer, step):
 
 def _check_resume(meta, cfg):
     saved = meta["extra"]["train_config"]
-    for key in ("model", "batch_size", "seq_len", "seed", "data", "dtype", "optimizer", "sft", "tokenizer"):
+    for key in ("model", "batch_size", "seq_len", "seed", "data", "dtype", "optimizer", "sft", "pack", "tokenizer"):
         if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):  # older checkpoints lack dtype
             raise ValueError(f"cannot resume: the checkpoint was trained with {key}={saved[key]!r} but this "
                              f"run has {key}={getattr(cfg, key)!r}; use the same value or a new checkpoint_dir")
@@ -304,8 +336,15 @@ def check_config(cfg):
                          f"or None to pick one for the devices there are")
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"strategy={cfg.strategy!r} is not one of {', '.join(STRATEGIES)}")
-    if cfg.attention not in IMPLEMENTATIONS:
+    if cfg.attention is not None and cfg.attention not in IMPLEMENTATIONS:
         raise ValueError(f"attention={cfg.attention!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    if cfg.pack and not cfg.sft:
+        raise ValueError("pack=True (--pack) packs SFT conversations into rows; it needs sft (--sft), or leave it out")
+    if cfg.pack and (cfg.attention == "eager" or cfg.scan_layers):
+        why = "attention='eager' cannot keep them apart" if cfg.attention == "eager" else \
+            "scan_layers' layer step takes no segment ids"
+        raise ValueError(f"pack=True puts several conversations in a row, and {why}; use attention='blockwise' "
+                         f"(--attention blockwise) without scan_layers, or pack=False (--no-pack)")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.dtype is None:
@@ -350,7 +389,7 @@ def datasets(cfg, tokenizer=None):
         train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
         return (train_ids,), (val_ids,)
     train_set, val_set = training_data(cfg.seq_len, tokenizer, cfg.data, cfg.sft, cfg.checkpoint_dir,
-                                       lead=xr.process_index() == 0)
+                                       lead=xr.process_index() == 0, packed=bool(cfg.pack))
     return train_set.tensors, val_set.tensors
 
 
@@ -389,7 +428,10 @@ def setup(cfg):
     if cfg.grad_accum > 1 and rows % k:  # (without accumulation, sharded_loader says it of the batch)
         raise ValueError(f"a micro-batch of batch_size / grad_accum = {rows} rows cannot be split over the "
                          f"{k} devices of the batch axes; use a batch_size that is a multiple of {k * cfg.grad_accum}")
-    return dataclasses.replace(cfg, mesh=shape, dtype=dtype, lr=cfg.lr or LR[cfg.optimizer]), mesh, config
+    attention = cfg.attention or default_implementation()
+    pack = cfg.pack if cfg.pack is not None else bool(cfg.sft) and attention != "eager" and not cfg.scan_layers
+    return (dataclasses.replace(cfg, mesh=shape, dtype=dtype, lr=cfg.lr or LR[cfg.optimizer], attention=attention,
+                                pack=pack), mesh, config)
 
 
 def checkpoint_layers(model):
@@ -525,7 +567,9 @@ def train(cfg, group=None):
     compiles = count_compiles()
     with stop_signals() as got:
         for step, batch in enumerate(loader, start + 1):
-            loss, grad_norm = optimizer_step(model, optimizer, *batch, grad_accum=cfg.grad_accum, clip_norm=cfg.clip_norm)
+            args, packed = batch_args(batch)
+            loss, grad_norm = optimizer_step(model, optimizer, *args, grad_accum=cfg.grad_accum, clip_norm=cfg.clip_norm,
+                                             **packed)
             pending.append((step, torch.stack((loss, grad_norm))))  # one read back for both, part of the step's graph
             torch_xla.sync()  # one graph per step, dispatched: the device runs it while the host goes on
             dispatched[step] = clock.now()
@@ -714,8 +758,9 @@ def _parse_args(argv=None):
     helps = field_help()
     for f in dataclasses.fields(TrainConfig):  # the formatter adds "(default: ...)"; a None's comment says what it does
         flag, help = "--" + f.name.replace("_", "-"), helps.get(f.name, "").replace("None: ", "default: ")
-        if f.type is bool:
-            parser.add_argument(flag, action="store_true", default=f.default, help=help)
+        if f.type is bool:  # a default of None (decided later) has --no-<flag> as well
+            action = "store_true" if f.default is False else BooleanOptionalAction
+            parser.add_argument(flag, action=action, default=f.default, help=help)
         elif f.type is tuple:
             parser.add_argument(flag, type=mesh_arg, default=f.default, help=help)
         else:

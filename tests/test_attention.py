@@ -10,15 +10,18 @@ from transformers import LlamaForCausalLM
 from llama_xla_helpers import attention
 from llama_xla_helpers.attention import blockwise_attention, hf_attention, use
 from llama_xla_helpers.configs import get_config
+from llama_xla_helpers.data import sft_conversations, sft_file, sft_rows, write_jsonl
 from llama_xla_helpers.hlo import dot_dtypes
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.sharding import batch_spec
+from llama_xla_helpers.tokenizer import small_tokenizer, tokenizer_and_config
 from llama_xla_helpers.train import TrainConfig, build_model, first_batch, forward_loss, setup, train
 from util import N
 
 # Tolerances fixed before measuring: fp32 blockwise sums the softmax in another order than eager.
 LOSS_TOL = 1e-5   # absolute, on each of 5 training steps' losses
+LOSS_TOL_BF16 = 2e-2  # the same in bf16 (8-bit mantissas: about 4e-3 relative per rounding)
 GRAD_TOL = 1e-4   # of each parameter's largest gradient, on the largest difference
 
 
@@ -132,15 +135,27 @@ def test_segment_ids_keep_packed_documents_apart():
 SMALL = TrainConfig(steps=5, batch_size=max(8, N), seq_len=32, eval_batches=2, dtype="fp32")
 
 
+TRAINING = {  # name -> what differs from SMALL
+    "2d": {},
+    "fsdp": {"strategy": "fsdp"},
+    "checkpointing": {"gradient_checkpointing": True},
+    "scan": {"scan_layers": True},
+    "bf16": {"dtype": "bf16"},
+}
+
+
 @pytest.mark.devices
-def test_training_with_blockwise_attention_follows_eager(monkeypatch):
+@pytest.mark.parametrize("case", TRAINING)
+def test_training_with_blockwise_attention_follows_eager(case, monkeypatch):
     monkeypatch.setattr(attention, "BLOCK", 8)  # 4 x 4 blocks of a 32-token row
-    eager_run = train(SMALL)
-    blockwise_run = train(dataclasses.replace(SMALL, attention="blockwise"))
+    cfg = dataclasses.replace(SMALL, **TRAINING[case])
+    eager_run = train(dataclasses.replace(cfg, attention="eager"))
+    blockwise_run = train(dataclasses.replace(cfg, attention="blockwise"))
+    tol = LOSS_TOL_BF16 if cfg.dtype == "bf16" else LOSS_TOL
     assert blockwise_run.train_compiles == 2
     assert list(blockwise_run.losses) == [1, 2, 3, 4, 5]
     for step, loss in eager_run.losses.items():
-        assert blockwise_run.losses[step] == pytest.approx(loss, abs=LOSS_TOL), step
+        assert blockwise_run.losses[step] == pytest.approx(loss, abs=tol), step
     assert blockwise_run.losses[5] < blockwise_run.losses[1]
 
 
@@ -158,6 +173,36 @@ def test_blockwise_gradients_equal_eager(strategy):
         grads[implementation] = {n: p.grad.cpu() for n, p in model.named_parameters()}
     for name, want in grads["eager"].items():
         assert (grads["blockwise"][name] - want).abs().max() <= GRAD_TOL * want.abs().max(), name
+
+
+def test_packed_sft_rows_give_the_unpacked_rows_loss_and_gradients(tmp_path):
+    tok = small_tokenizer()
+    path = write_jsonl(tmp_path / "chats.jsonl", sft_conversations(12))
+    _, config = tokenizer_and_config(get_config("tiny"), tok)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)  # on the CPU: what is checked is the rows, the positions and the attention
+    use(model, None, "blockwise", block=64)
+    batches = {packed: [torch.stack(list(c)) for c in sft_rows(sft_file(path, tok, 384, tmp_path, packed=packed), 384,
+                                                                  val_fraction=0)[0]] for packed in (False, True)}
+    assert len(batches[True][0]) < len(batches[False][0]) == 12
+    results = {}
+    for name, (ids, labels, *packed) in {"rows": batches[False], "packed": batches[True],
+                                         "no segments": batches[True][:2] + [None, batches[True][3]],
+                                         "no positions": batches[True][:3] + [None]}.items():
+        model.zero_grad()
+        loss = forward_loss(model, ids, labels, None, *packed) if packed else forward_loss(model, ids, labels)
+        loss.backward()
+        results[name] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss, grads = results["rows"]
+    assert results["packed"][0] == pytest.approx(loss, abs=LOSS_TOL)
+    for name, want in grads.items():
+        assert (results["packed"][1][name] - want).abs().max() <= GRAD_TOL * want.abs().max(), name
+    assert abs(results["no segments"][0] - loss) > 1e-3  # conversations reading the ones before them
+    assert results["no positions"][0] == pytest.approx(loss, abs=LOSS_TOL)  # RoPE is relative: offsets cancel
+    eager = LlamaForCausalLM(tokenizer_and_config(get_config("tiny"), tok)[1])  # (use() set config's attention)
+    ids, labels, segment_ids, position_ids = batches[True]
+    with pytest.raises(ValueError, match="packed rows .* need attention that keeps their conversations apart"):
+        forward_loss(eager, ids, labels, None, segment_ids, position_ids)
 
 
 class KernelCall:

@@ -321,6 +321,31 @@ def test_sft_rows_pad_drop_and_hold_out(tok, tmp_path):
     assert list((tmp_path / "short").iterdir()) == []
 
 
+def test_packed_sft_rows_hold_every_conversation_in_order_apart(tok, tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", sft_conversations(40))
+    examples = [sft_example(tok, c["messages"]) for c in sft_conversations(40)]
+    seq_len = max(len(ids) for ids, _ in examples)
+    packed = sft_file(path, tok, seq_len, tmp_path, packed=True)
+    assert packed != sft_file(path, tok, seq_len, tmp_path)  # the two layouts are two files
+    (ids, labels, segments, positions), _ = sft_rows(packed, seq_len, val_fraction=0)
+    assert file_meta(packed)["rows"] == len(ids) < 40 and file_meta(packed)["conversation_tokens"] == sum(len(i) for i, _ in examples)
+    got, rows = [], []  # the conversations read back, segment by segment; their lengths, row by row
+    for row in range(len(ids)):
+        assert (torch.diff(segments[row]) >= 0).all()  # each segment is contiguous
+        rows.append([])
+        for seg in range(int(segments[row].max()) + 1):
+            where = segments[row] == seg
+            assert positions[row][where].tolist() == list(range(int(where.sum())))  # positions restart at 0
+            if len(got) == len(examples) or len(rows[-1]) and sum(rows[-1]) + len(examples[len(got)][0]) > seq_len:
+                assert (ids[row][where] == tok.pad_token_id).all() and (labels[row][where] == IGNORE_INDEX).all()
+                continue  # the padding: a segment of its own
+            got.append((ids[row][where].tolist(), labels[row][where].tolist()))
+            rows[-1].append(len(got[-1][0]))
+    assert got == [(i.tolist(), lab.tolist()) for i, lab in examples]  # every conversation, in order, whole
+    assert all(sum(r) <= seq_len for r in rows)
+    assert all(sum(r) + nxt[0] > seq_len for r, nxt in zip(rows, rows[1:]))  # next-fit: the next one did not fit
+
+
 @pytest.mark.parametrize("record, error", [
     ({"conversation": []}, "line 1: no field 'messages'"),
     ({"messages": [{"role": "user"}]}, "line 1: message 0 must be an object with string 'role' and 'content'"),

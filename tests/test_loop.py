@@ -134,14 +134,18 @@ def test_logging_adds_no_host_read():
     assert result.train_compiles == 2 and sorted(result.losses) == [1, 2, 3, 4, 5]
 
 
-def test_a_tokenizer_sizes_the_model_and_sft_trains_on_the_assistant_tokens(tmp_path):
+@pytest.mark.parametrize("attention", ["eager", "blockwise"])
+def test_a_tokenizer_sizes_the_model_and_sft_trains_on_the_assistant_tokens(tmp_path, attention):
     """--tokenizer: a random-init model gets the tokenizer's vocabulary (rounded up to 64) and the
     tokenizer is saved beside the checkpoints, where serve finds it. --sft: chat conversations
-    through the tokenizer's template; the run compiles its 2 graphs and the loss falls."""
+    through the tokenizer's template; the run compiles its 2 graphs and the loss falls. With
+    blockwise attention the conversations are packed into rows (pack's default), with eager not."""
     tokenizer = small_tokenizer(vocab_size=500, path=tmp_path / "tok")
-    write_jsonl(tmp_path / "chats.jsonl", sft_conversations(96))
+    write_jsonl(tmp_path / "chats.jsonl", sft_conversations(192))  # packed: 8 held-out rows or more
     run = dataclasses.replace(SMALL_FP32, steps=6, seq_len=256, tokenizer=str(tmp_path / "tok"), sft=str(tmp_path / "chats.jsonl"),
-                              checkpoint_dir=str(tmp_path / "ck"), optimizer="adamw", lr=3e-3)
+                              checkpoint_dir=str(tmp_path / "ck"), optimizer="adamw", lr=3e-3, attention=attention)
+    packed = attention != "eager"
+    assert len(train_module.datasets(setup(run)[0], tokenizer)[0]) == (4 if packed else 2)  # the rows' columns
     result = train(run)
     assert result.model.config.vocab_size == 512 and result.train_compiles == 2
     assert result.losses[6] < result.losses[1]

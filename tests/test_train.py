@@ -344,6 +344,8 @@ def test_cli_flags_mirror_the_config():
     assert cfg == dataclasses.replace(TrainConfig(), mesh=(2, 4), strategy="fsdp", steps=7, lr=0.003, resume=True,
                                       checkpoint_dir="ck", data="corpus.txt", gradient_checkpointing=True,
                                       scan_layers=True)
+    assert _parse_args([])[0].pack is None  # decided by setup: packed SFT rows unless the attention is eager
+    assert _parse_args(["--no-pack"])[0].pack is False and _parse_args(["--pack"])[0].pack is True
 
 
 def test_bad_training_input():
@@ -356,6 +358,12 @@ def test_bad_training_input():
         train(dataclasses.replace(SMALL, dtype="fp16"))
     with pytest.raises(ValueError, match="unknown config 'llama-1b'"):
         train(dataclasses.replace(SMALL, model="llama-1b"))
+    with pytest.raises(ValueError, match="pack=True .* needs sft"):
+        train(dataclasses.replace(SMALL, pack=True))
+    for bad, why in (({"attention": "eager"}, "attention='eager' cannot keep them apart"),
+                     ({"attention": "blockwise", "scan_layers": True}, "scan_layers' layer step takes no segment")):
+        with pytest.raises(ValueError, match=f"pack=True puts several conversations in a row, and {why}.*--no-pack"):
+            train(dataclasses.replace(SMALL, sft="chats.jsonl", pack=True, **bad))
 
 
 def test_init_from_a_local_folder_starts_from_its_weights(tmp_path):
