@@ -168,6 +168,8 @@ def flash_attention(query, key, value, scale, segment_ids=None, mesh=None):
     n_rep = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)  # (bsz, heads, seqlen, head_dim)
     spec = None if mesh is None else batch_spec(ACTIVATION_SPECS["attn_weights"], mesh)
+    if segment_ids is not None:  # the loader's are int64; the kernel's JAX side takes int32 ids
+        segment_ids = segment_ids.to(torch.int32)
     out = kernel(query, key, value, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                  sm_scale=scale, partition_spec=spec, mesh=mesh)
     return out.transpose(1, 2)

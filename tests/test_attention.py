@@ -231,14 +231,15 @@ def fake_tpu(monkeypatch):
 def test_flash_on_a_tpu_calls_the_kernel_with_table_2s_partition_spec(fake_tpu):
     mesh = make_mesh()
     query, key, value = (torch.randn(2, heads, 256, 16) for heads in (4, 2, 2))  # (bsz, heads, seqlen, head_dim)
-    segments = torch.zeros(2, 256, dtype=torch.int32)
+    segments = torch.arange(256).repeat(2, 1) // 100  # int64, as the loader gives them: 3 documents a row
     out, weights = hf_attention(None, query, key, value, None, 0.25, implementation="flash", mesh=mesh,
                                 segment_ids=segments)
     assert out.shape == (2, 256, 4, 16) and weights is None  # (bsz, seqlen, heads, head_dim)
     [call] = fake_tpu.calls
     assert call["q"] == call["k"] == call["v"] == (2, 4, 256, 16)  # KV heads repeated to the query heads
     assert call["causal"] and call["sm_scale"] == 0.25 and call["mesh"] is mesh
-    assert call["q_segment_ids"] is segments and call["kv_segment_ids"] is segments
+    for ids in (call["q_segment_ids"], call["kv_segment_ids"]):
+        assert ids.dtype == torch.int32 and torch.equal(ids, segments.int())
     assert call["partition_spec"] == batch_spec(("data", "model", None, None), mesh)  # Table 2's batch and heads
 
 
