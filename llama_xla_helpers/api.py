@@ -83,13 +83,18 @@ TOKEN_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)  # t
 METRICS = (  # engine.metrics() key, Prometheus type, help
     ("requests_total", "counter", "Requests accepted into the engine's queue."),
     ("tokens_total", "counter", "Tokens generated."),
-    ("slots_busy", "gauge", "Slots holding a request."),
-    ("slots", "gauge", "Slots: rows of the decode batch."),
-    ("queue_length", "gauge", "Requests waiting for a slot."),
+    ("slots_busy", "gauge", "Requests in flight (each holds a slot)."),
+    ("slots", "gauge", "Slots: requests in flight at most."),
+    ("queue_length", "gauge", "Requests waiting for a slot or pages."),
+    ("pages_used", "gauge", "KV cache pages requests hold."),
+    ("pages_total", "gauge", "KV cache pages in the pool."),
+    ("prefix_queries_total", "counter", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_hits_total", "counter", "Prompt tokens found in the prefix cache (not prefilled again)."),
+    ("preemptions_total", "counter", "Requests preempted for pages (recomputed later)."),
     ("compiles_since_warmup", "gauge", "XLA compilations after warm-up; anything but 0 costs seconds per request."),
 )
 HISTOGRAMS = (  # name, help, buckets: over the requests that finished ("stop" or "length")
-    ("request_queue_time_seconds", "Time from arrival to the first prompt section.", LATENCY_S),
+    ("request_queue_time_seconds", "Time from arrival to the first prompt tokens' step.", LATENCY_S),
     ("time_to_first_token_seconds", "Time from arrival to the first token.", LATENCY_S),
     ("time_per_output_token_seconds", "Time from the first token to the last, per later token.", TOKEN_S),
     ("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_S),
@@ -315,9 +320,12 @@ class Choices:
         return 0 if self.scoring else sum(len(r.tokens) for r in self.reqs)
 
     def usage(self):
+        """OpenAI's usage, with the prompt tokens found in the prefix cache (prompt_tokens_details.cached_tokens:
+        per prompt, as its first choice found them)."""
         prompt_tokens = sum(map(len, self.prompts))
+        cached = sum(r.cached_tokens for r in self.reqs[::self.body.n])
         return dict(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens(),
-                    total_tokens=prompt_tokens + self.completion_tokens())
+                    total_tokens=prompt_tokens + self.completion_tokens(), prompt_tokens_details=dict(cached_tokens=cached))
 
 
 async def events(head, choices, stream):

@@ -1,8 +1,10 @@
-"""Attention whose memory grows with the sequence, not its square: one function for training and prefill.
+"""Attention whose memory grows with the sequence, not its square: one function for training and
+prefill, and one for the serving engine's ragged steps over a paged KV cache.
 
     use(model, mesh)                        # a Hugging Face Llama attends with default_implementation()
     blockwise_attention(q, k, v, scale=s)   # FlashAttention-2's algorithm in PyTorch (any device)
     default_implementation()                # "flash" on a TPU, "blockwise" elsewhere
+    ragged_attention(q, pages, batch, s)    # a serving step's flat tokens, each over its own request's pages
 
 Eager attention (`sharding.sharded_eager_attention`, Table 2's) builds the (bsz, heads, seqlen,
 seqlen) scores and an fp32 softmax of them and keeps both for the backward pass: 32 heads x 8,192²
@@ -21,10 +23,18 @@ than one block of them:
 
 Where the kernel cannot run (a CPU, a sequence not a multiple of its 128-token blocks) "flash"
 falls back to "blockwise". Only a TPU runs the kernel; the tests check the arguments it is given.
+
+Serving (the last section): the engine's step puts the tokens of every request it runs (prompt
+chunks and decoded tokens) on one flat axis, and each token attends to the keys its own request
+has written, which sit in the pages its block table lists (`kv_pages.py`). On a TPU that is
+torch_xla's ragged paged attention kernel (vLLM's); elsewhere a fixed-shape gather-and-mask
+computes the same thing.
 """
 from functools import partial
+from typing import NamedTuple
 
 import torch
+import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -226,3 +236,107 @@ def use(model, mesh=None, implementation=None, block=None):
     AttentionMaskInterface.register(name, no_mask)
     model.set_attn_implementation(name)
     return implementation
+
+
+# --- Serving: ragged attention over a paged KV cache --------------------------------------------
+
+QUERY_BLOCK = 16  # the gather path's queries per row, in a step with more tokens than rows
+
+
+class RaggedBatch(NamedTuple):
+    """A serving step's tokens on one flat axis of T (device tensors: `ragged_batch`). S sequences at most (unused ones have no queries and kv length 0); each has P
+    pages' room in its block table. The first four are the kernel's arguments; `rows`, `row_seq`,
+    `row_pos` and `unrow` lay the queries out in R blocks of Qb for the gather path."""
+    kv_lens: torch.Tensor  # (S,) each sequence's keys once this step has written its tokens
+    page_indices: torch.Tensor  # (S, P) its block table (0 past its pages)
+    cu_q_lens: torch.Tensor  # (S + 1,) where its queries start on the flat axis (and end)
+    num_seqs: torch.Tensor  # (1,) sequences in use
+    positions: torch.Tensor  # (T,) each token's position in its sequence (padding: 0)
+    slots: torch.Tensor  # (T,) where its key and value go: page * page_size + position % page_size (padding: page 0)
+    rows: torch.Tensor  # (R, Qb) the flat token of each query of a block (padding: 0)
+    row_seq: torch.Tensor  # (R,) the sequence of each block (padding: 0)
+    row_pos: torch.Tensor  # (R, Qb) each query's position: it reads keys 0 .. row_pos (padding: 0, a key that exists)
+    unrow: torch.Tensor  # (T,) where each token's output sits among the R * Qb
+
+
+def ragged_batch(layout, put=lambda t: t):
+    """A RaggedBatch of host lists (`runner.ragged_layout`), each a tensor passed through `put`:
+    int32 for the kernel's four arguments (its JAX side takes int32), int64 for the rest (the
+    indices torch_xla's gathers and index_copy take)."""
+    kernel = RaggedBatch._fields[:4]
+    return RaggedBatch(**{k: put(torch.tensor(v, dtype=torch.int32 if k in kernel else torch.long))
+                          for k, v in layout.items()})
+
+
+def write_pages(pages, batch, k, v):
+    """pages (num_pages, page_size, 2 * g, head_dim) with this step's keys and values k, v (T, g,
+    head_dim) written at `batch.slots`, interleaved on the head axis as the kernel reads them (K of
+    head h at 2h, V at 2h + 1). Out of place: the runner donates `pages`, so XLA writes in place."""
+    kv = torch.stack([k, v], dim=2).flatten(1, 2)  # (T, 2 * g, head_dim): k0, v0, k1, v1, ...
+    return pages.flatten(0, 1).index_copy(0, batch.slots, kv).view(pages.shape)
+
+
+def gather_attention(q, pages, batch, scale):
+    """Ragged attention in fixed shapes: (T, heads, head_dim). Each block of queries gathers its
+    sequence's pages, (P * page_size) keys, and reads those at positions up to its own: causal,
+    and never past what its sequence has written. The cost is R x Qb x P x page_size scores, so the
+    runner picks P from the longest sequence in the step, not the model's context."""
+    g = pages.shape[2] // 2
+    kv = pages[batch.page_indices[batch.row_seq]].flatten(1, 2)  # (R, P * page_size, 2 * g, head_dim)
+    k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (R, L, g, head_dim)
+    qr = q[batch.rows].unflatten(2, (g, -1))  # (R, Qb, g, r, head_dim)
+    scores = torch.einsum("bqgrd,bkgd->bgrqk", qr, k).float() * scale  # (R, g, r, Qb, L)
+    keep = torch.arange(k.shape[1], device=q.device) <= batch.row_pos[..., None]  # (R, Qb, L)
+    probs = scores.masked_fill(~keep[:, None, None], float("-inf")).softmax(dim=-1).to(v.dtype)
+    out = torch.einsum("bgrqk,bkgd->bqgrd", probs, v)  # (R, Qb, g, r, head_dim)
+    return out.flatten(0, 1)[batch.unrow].flatten(1, 2)  # (T, heads, head_dim)
+
+
+def kernel_fits(n_kv_heads, head_dim, dtype):
+    """Whether torch_xla 2.9's ragged paged attention kernel takes a device's n_kv_heads: head_dim a
+    multiple of 128 (its lanes; its tuned block sizes are all for 128), and the K and V heads
+    together, counted in 32-bit words, 1, 2, 4, 8 or a multiple of 8 (what Mosaic tiles whole)."""
+    words, rest = divmod(2 * n_kv_heads, 32 // torch.finfo(dtype).bits)  # 1 value per word in fp32, 2 in bf16
+    return head_dim % 128 == 0 and rest == 0 and (words in (1, 2, 4, 8) or words % 8 == 0)
+
+
+def kernel_attention(q, pages, batch, scale, mesh=None):
+    """torch_xla's Pallas ragged paged attention (TPU only): (T, heads, head_dim). On a mesh with a
+    'model' axis, each device runs it on its own query heads and their KV heads (the pages are
+    sharded on the head axis the same way), as vLLM's TPU backend does. The padding tokens past
+    the step's last sequence get zeros (the kernel leaves their rows unwritten)."""
+    from torch_xla.experimental.custom_kernel import ragged_paged_attention
+
+    def kernel(q, pages, *meta):
+        return ragged_paged_attention(q, pages, *meta, sm_scale=scale)
+
+    meta = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
+    if mesh is not None and mesh.shape().get("model", 1) > 1:
+        specs = ((None, "model", None), (None, None, "model", None)) + tuple((None,) * t.dim() for t in meta)
+        kernel = per_device(kernel, mesh, specs, (None, "model", None))
+    out = kernel(q, pages, *meta)  # (T, heads, head_dim)
+    real = torch.arange(q.shape[0], device=q.device) < batch.cu_q_lens[-1]
+    return torch.where(real[:, None, None], out, 0)
+
+
+def per_device(fn, mesh, in_specs, out_spec):
+    """fn run by each device on its own shard of each tensor argument (partition specs in_specs),
+    its result assembled as out_spec says: JAX's shard_map, with torch_xla's manual sharding."""
+    def run(*args):
+        local = [xs.enable_manual_sharding(a, spec, mesh=mesh).global_tensor for a, spec in zip(args, in_specs)]
+        out = fn(*local)
+        full = tuple(n * (mesh.shape()[axis] if axis else 1) for n, axis in zip(out.shape, out_spec))
+        return xs.disable_manual_sharding(out, out_spec, full, mesh=mesh).global_tensor
+    return run
+
+
+def ragged_attention(q, pages, batch, scale, mesh=None):
+    """A serving step's attention: q (T, heads, head_dim) for the step's flat tokens, each reading
+    its own sequence's keys and values in `pages` (num_pages, page_size, 2 * g, head_dim) as
+    `batch` (a RaggedBatch) lays out. The kernel on a TPU where it fits (`kernel_fits`, with the
+    per-device head counts), the gather path elsewhere; both compute the same thing (tests compare
+    the gather path with the kernel's PyTorch reference, `ragged_paged_attention(use_kernel=False)`)."""
+    ways = 1 if mesh is None else mesh.shape().get("model", 1)
+    if on_tpu() and kernel_fits(pages.shape[2] // 2 // ways, q.shape[2], pages.dtype):
+        return kernel_attention(q, pages, batch, scale, mesh)
+    return gather_attention(q, pages, batch, scale)

@@ -9,7 +9,7 @@ prefilled section by section), and every decode step feeds the same shapes: one 
 row, its cache slot, temperature and top-p as device tensors, the generated tokens written
 into a fixed (bsz, max_seq_len) buffer with `index_copy`. Attention reads only the live
 context, as the engine's does: the first prefill section its own positions, later sections and
-decode steps the smallest of a few cache lengths that holds them (`scheduler.kv_buckets`, the
+decode steps the smallest of a few cache lengths that holds them (`kv_buckets`, the
 smallest bucket doubled up to max_seq_len: a step reads at most twice what it needs). Each
 cache length is one more decode graph, compiled the first time a call reaches it, so a call
 compiles at most len(kv_buckets) decode graphs (`Stats.compiles` counts them), and a call
@@ -32,8 +32,42 @@ import torch_xla.core.xla_model as xm
 from .metrics import count_compiles
 from .runner import Caches, attach, compiled, default_compile, mark_replicated, replicator
 from .sampling import SAMPLE_TOP_K, sample_rows  # noqa: F401  SAMPLE_TOP_K: also generate's, as before
-from .scheduler import kv_buckets, prefill_sections, prefill_shapes, round_up
 from .tokenizer import ByteTokenizer, load_tokenizer  # noqa: F401  load_tokenizer: also generate's, as before
+
+
+def prefill_sections(n, buckets):
+    """Section lengths that hold an n-token prompt, left-padded into the first section.
+
+    The tokens that are not a multiple of the largest bucket go into the smallest bucket
+    that holds them, the rest into largest-bucket sections: with (128, 256, 384, 512),
+    100 -> [128], 600 -> [128, 512], 1500 -> [512, 512, 512].
+    """
+    largest = buckets[-1]
+    full, rest = divmod(n, largest)
+    first = [min(b for b in buckets if b >= rest)] if rest else []
+    return first + [largest] * full
+
+
+def kv_buckets(buckets, max_seq_len):
+    """The cache lengths a decode step reads: the smallest prefill bucket doubled until max_seq_len,
+    e.g. (64, 128, 256, 512, 768) for buckets starting at 64 and a 768-slot cache; a step reads
+    at most twice what it needs."""
+    lengths = [buckets[0]]
+    while lengths[-1] < max_seq_len:
+        lengths.append(min(2 * lengths[-1], max_seq_len))
+    return tuple(lengths)
+
+
+def round_up(n, lengths):
+    return next(k for k in lengths if k >= n)
+
+
+def prefill_shapes(buckets, max_seq_len):
+    """Every (section length, kv_len) a prefill can run at: a first section reads itself, a later
+    one (the largest bucket, after at least the smallest) a kv bucket up to the cache's end."""
+    kv = kv_buckets(buckets, max_seq_len)
+    later = [(buckets[-1], k) for k in kv if k >= buckets[0] + buckets[-1]]
+    return [(b, b) for b in buckets] + later
 
 
 @dataclass
@@ -82,8 +116,8 @@ def step(model, views, caches, pin, tokens, input_pos, pad, out, out_pos, done, 
     attach(views, caches)
     logits = model(tokens, input_pos, pad, kv_len, last_only=True)[:, -1]  # (bsz, vocab_size)
     bsz = logits.shape[0]
-    nxt = logits.argmax(dim=-1) if greedy else sample_rows(  # (bsz,)
-        logits, temperature.expand(bsz), top_p.expand(bsz), seed, input_pos[-1:].expand(bsz))
+    nxt = logits.argmax(dim=-1) if greedy else sample_rows(  # (bsz,), each row's noise at its own position
+        logits, temperature.expand(bsz), top_p.expand(bsz), seed, input_pos[-1] - pad)  # (not its padded slot)
     out = out.index_copy(1, out_pos, nxt[:, None])  # (bsz, max_seq_len): generated tokens so far
     done = done | (nxt == eos_id)  # (bsz,)
     nxt, out, done = pin(nxt), pin(out), pin(done)
@@ -197,7 +231,8 @@ def check_buckets(buckets, max_seq_len, room=0):
 
 def check_request(args, buckets, prompt_tokens, max_new_tokens, temperature, top_p, eos_id, name="max_new_tokens"):
     """ValueError (TypeError) for a bad request to a model with ModelArgs `args`, before any device
-    work; returns the prefill sections. `name`: what the caller calls max_new_tokens."""
+    work; returns the prefill sections (None for buckets None: prompts that are not padded, as the
+    serving engine's). `name`: what the caller calls max_new_tokens."""
     if not isinstance(prompt_tokens, (list, tuple)) or not all(isinstance(p, (list, tuple))
                                                                   for p in prompt_tokens):
         raise TypeError("prompt_tokens must be a list of prompts, each a list of token ids")
@@ -223,11 +258,11 @@ def check_request(args, buckets, prompt_tokens, max_new_tokens, temperature, top
     if eos_id is not None and not 0 <= eos_id < args.vocab_size:
         raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {args.vocab_size})")
     longest = max(len(p) for p in prompt_tokens)
-    sections = prefill_sections(longest, buckets)
-    need = sum(sections) + max_new_tokens
+    sections = None if buckets is None else prefill_sections(longest, buckets)
+    need = (longest if buckets is None else sum(sections)) + max_new_tokens
     if need > args.max_seq_len:
-        raise ValueError(f"the longest prompt ({longest} tokens, padded to {sum(sections)} for buckets "
-                         f"{buckets}) + {name}={max_new_tokens} = {need} cache slots > "
+        padded = "" if buckets is None else f", padded to {sum(sections)} for buckets {buckets}"
+        raise ValueError(f"the longest prompt ({longest} tokens{padded}) + {name}={max_new_tokens} = {need} cache slots > "
                          f"max_seq_len={args.max_seq_len}; ask for fewer tokens or build the model "
                          f"with max_seq_len >= {need}")
     return sections

@@ -268,6 +268,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask is None:  # the serving engine's paged cache (`Llama.ragged`): each token reads its own request's pages
+            y = self.kv_cache.attend(q[0], k[0], v[0], scale=1 / math.sqrt(self.head_dim))  # (T, n_heads, head_dim)
+            return self.o_proj(y.reshape(bsz, seqlen, -1))
 
         k, v = self.kv_cache.update(input_pos, k, v)  # (bsz, max_seq_len, n_kv_heads, head_dim)
         kv_len = mask.shape[-1]  # attention reads the first kv_len cache slots, the only ones in use
@@ -359,6 +362,20 @@ class Llama(nn.Module):
             x = layer(x, input_pos, cos, sin, mask)
         x = x[:, -1:] if last_only else x  # (bsz, 1 or seqlen, dim)
         return self.lm_head(self.norm(x)).float()  # (bsz, 1 or seqlen, vocab_size)
+
+    @torch.no_grad()
+    def ragged(self, tokens, positions, logits_at=None):
+        """A serving step: logits (n, vocab_size) fp32 for tokens (T,) of several requests on one
+        flat axis, at positions (T,) of their own sequences, through the paged caches the engine's
+        runner puts in place of the layers' KV caches (`runner.PagedCache`: each token writes its
+        key and value into its request's pages and attends to them). logits_at (n,): the tokens
+        whose logits are wanted (each request's last); None: every token's."""
+        cos, sin = self.rope_cos[positions][None], self.rope_sin[positions][None]  # (1, T, head_dim)
+        x = self.embed_tokens(tokens)[None]  # (1, T, dim)
+        for layer in self.layers:
+            x = layer(x, positions, cos, sin, None)
+        x = x[0] if logits_at is None else x[0, logits_at]  # (n, dim)
+        return self.lm_head(self.norm(x)).float()  # (n, vocab_size)
 
     def check_shapes(self, tokens, input_pos, pad, kv_len):
         """Shape checks only (never values: reading a device tensor would cut the XLA graph)."""

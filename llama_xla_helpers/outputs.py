@@ -33,12 +33,12 @@ def add_token(req, token, lp, eos_ids):
 
 
 def add_prompt_logprobs(req, lp, start, n):
-    """The log-probabilities of req's prompt tokens that positions start ... start + n - 1 of its
-    left-padded prompt predict (host `logprobs_of`, each (n, ...)): position p predicts prompt
-    token p + 1 - pad, and the padding predicts nothing."""
-    pad = req.width - len(req.prompt)
-    req.prompt_token_logprobs += [entry(req, lp, p - start) for p in range(max(start, pad), start + n)
-                                  if p < req.width - 1]
+    """The log-probabilities of req's prompt tokens that positions start ... start + n - 1 predict
+    (host `logprobs_of`, each (n, ...)): position p predicts prompt token p + 1. Those it already
+    has (a prompt computed again after a preemption) are kept."""
+    have = len(req.prompt_token_logprobs)
+    req.prompt_token_logprobs += [entry(req, lp, p - start) for p in range(max(start, have), start + n)
+                                  if p < len(req.prompt) - 1]
 
 
 def settle(req, reason, error=None):

@@ -167,25 +167,27 @@ def plot_lines(series, xlabel, ylabel, title, name, log=False, marks=(), integer
     return _finish(fig, name)
 
 
-def plot_slots(timeline, name="slot_timeline", title="which request holds which slot"):
-    """The engine's slot timeline: timeline[step][slot] is a request id (None: free); each
-    request is one coloured bar in its slot's row, labelled with its id."""
+def plot_pages(timeline, total=None, name="page_timeline", title="the KV cache pages each request holds"):
+    """The engine's page timeline: timeline[step] = {request id: pages held} (`Engine.timeline`,
+    `scheduler.replay`); each request a coloured band, stacked, labelled with its id where it is
+    widest; `total`: the pool's pages, a dashed line."""
     timeline = list(timeline)  # Engine.timeline is a deque: indexing its middle walks it
-    steps, slots = len(timeline), len(timeline[0])
-    fig = Figure(figsize=(7, 0.5 + 0.45 * slots))
+    ids = sorted({rid for step in timeline for rid in step})
+    held = np.array([[step.get(rid, 0) for step in timeline] for rid in ids])  # (requests, steps)
+    fig = Figure(figsize=(7.5, 3.5))
     ax = fig.subplots()
     colors = [c["color"] for c in rcParams["axes.prop_cycle"]]
-    for slot in range(slots):
-        step = 0
-        while step < steps:
-            rid, start = timeline[step][slot], step
-            while step < steps and timeline[step][slot] == rid:
-                step += 1
-            if rid is not None:
-                ax.broken_barh([(start, step - start)], (slot - 0.4, 0.8), color=colors[rid % len(colors)])
-                ax.text((start + step) / 2, slot, str(rid), ha="center", va="center", fontsize=8, color="white")
-    ax.set_yticks(range(slots)), ax.set_ylim(slots - 0.5, -0.5), ax.set_xlim(0, steps)
-    ax.set_xlabel("decode step"), ax.set_ylabel("slot"), ax.set_title(title)
+    steps = np.arange(len(timeline))
+    ax.stackplot(steps, held, colors=[colors[rid % len(colors)] for rid in ids], step="post")
+    below = np.cumsum(held, axis=0) - held / 2  # each band's middle
+    for k, rid in enumerate(ids):
+        widest = held[k].argmax()
+        if held[k, widest] >= 2:
+            ax.text(widest, below[k, widest], str(rid), ha="center", va="center", fontsize=8, color="white")
+    if total is not None:
+        ax.axhline(total, color="black", ls="--", lw=1, label=f"the pool: {total} pages")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xlim(0, len(timeline)), ax.set_xlabel("step"), ax.set_ylabel("pages held"), ax.set_title(title)
     return _finish(fig, name)
 
 

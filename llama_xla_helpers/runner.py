@@ -1,26 +1,28 @@
-"""The engine's model runner: the device state of every slot, the two programs that advance it,
-and reading their results (vLLM v1's GPUModelRunner / TPUModelRunner split, in small).
+"""The engine's model runner: the device state (every layer's KV cache in pages, each slot's newest
+token), the one program that advances it, and reading its results (vLLM v1's GPUModelRunner /
+TPUModelRunner split, in small). `Generator` uses the fixed-slot caches of the same module.
 
-The device state is every layer's KV cache, (slots, max_seq_len, n_kv_heads, head_dim), and one
-row per slot of the decode inputs: ints (slots, 5) [last token, position, pad, seed, top_k] and
-floats (slots, 2) [temperature, top_p]. Two programs change it, each one XLA graph per shape:
+A step (`step_program`) runs the tokens the scheduler planned, of every request in it, on one
+flat axis: prompt chunks and decoded tokens together, each with its position in its own sequence.
+Each layer writes the step's keys and values into the pages their requests' block tables name
+(`attention.write_pages`) and attends over them (`attention.ragged_attention`: torch_xla's ragged
+paged attention kernel on a TPU, a fixed-shape gather-and-mask elsewhere); the LM head runs at
+each sequence's last token only, and a token is sampled per sequence in the same program. A
+decode step's input is the token the step before sampled, which the host has not read yet: it
+stays on the device (`last`, one row per slot) and the step takes it from there (`from_last`).
+The host lays the step out (`ragged_layout`, `ModelRunner.inputs`) in a few shapes: T tokens and P
+pages per block table, each rounded up to a bucket, so after warm-up nothing compiles.
 
-- `prefill_program`: one prompt section of R requests, written straight into their slots' cache
-  rows (no separate prefill cache, no copy afterwards); the LM head runs at the last position only
-  (every position only when the prompt's log-probabilities are asked for); the first token is
-  sampled in the same program, and the slots' state rows set (parked until the last section);
-- `decode_program`: one token for every slot, sampled in the same program, the state advanced.
-
-Both take the caches as arguments and return the new ones: inside the program each layer's
-`KVCache` is swapped for a `SlotCache`, which writes out of place. That is what makes a
-torch.compile'd program update the caches in place: XLA writes an output into an input's buffer
-when the input is donated (`torch.ops.xla.dynamo_set_buffer_donor_`, set before each call: the
-mark does not carry over to the outputs), and `Caches` keeps the outputs as the caches. Written
-in place inside the compiled function instead, torch_xla's openxla bridge returns the written
-caches and copies each back into its input after every call, a full copy of every cache per step
-(measured: `tests/test_engine.py::test_every_program_writes_the_kv_caches_in_place`). With lazy
-tensors (compile=False) the runner `copy_`s the returned caches into the ones it passed, which only
-rebinds the pending graph, so the next sync updates each buffer in place, as an in-place op would.
+The step takes the pages as arguments and returns the new ones (`PagedCache` writes out of place).
+That is what makes a torch.compile'd program update them in place: XLA writes an output into an
+input's buffer when the input is donated (`torch.ops.xla.dynamo_set_buffer_donor_`, set before each
+call: the mark does not carry over to the outputs), and the runner keeps the outputs as the pages.
+Written in place inside the compiled function instead, torch_xla's openxla bridge returns the
+written tensors and copies each back into its input after every call, a full copy of every cache
+per step (measured: `tests/test_engine.py::test_every_program_writes_the_kv_caches_in_place`). With
+lazy tensors (compile=False) the runner `copy_`s the returned pages into the ones it passed, which
+only rebinds the pending graph, so the next sync updates each buffer in place, as an in-place op
+would. `Caches` does the same for `Generator`'s fixed-slot caches.
 
 Sources: vLLM v1's model runners, https://github.com/vllm-project/vllm (vllm/v1/worker/); torch_xla's
 buffer donation under torch.compile, https://github.com/pytorch/xla/blob/v2.9.0/docs/source/perf/dynamo.md
@@ -33,9 +35,46 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
+from .attention import QUERY_BLOCK, kernel_fits, on_tpu, ragged_attention, ragged_batch, write_pages
+from .kv_pages import pages_for
 from .mesh import make_mesh
 from .sampling import logprobs_of, sample_rows
-from .sharding import Constraint
+from .sharding import Constraint, axis_size, to_sharded
+
+
+def ragged_layout(runs, page_size, tokens, seqs, pages):
+    """A ragged step's layout, host lists for `attention.RaggedBatch`: runs (block table, start, n),
+    one per sequence (positions start .. start + n - 1 of it go through the model), on a flat axis
+    of `tokens` (T) for `seqs` (S) sequences whose block tables are cut or padded to `pages` (P).
+
+    The gather path's query blocks: one token per row when the step has no more tokens than
+    sequences (a decode step: R = T rows of 1), else blocks of attention.QUERY_BLOCK tokens of one
+    sequence (R = S + T // Qb rows, enough for any split of T tokens among S sequences)."""
+    qb = 1 if tokens <= seqs else QUERY_BLOCK
+    n_rows = tokens if qb == 1 else seqs + tokens // qb
+    out = dict(kv_lens=[], page_indices=[], cu_q_lens=[0], num_seqs=[len(runs)], positions=[], slots=[],
+               rows=[], row_seq=[], row_pos=[], unrow=[])
+    for i, (table, start, n) in enumerate(runs):
+        first = out["cu_q_lens"][-1]
+        out["kv_lens"].append(start + n)
+        out["page_indices"].append(table + [0] * (pages - len(table)))
+        out["cu_q_lens"].append(first + n)
+        out["positions"] += range(start, start + n)
+        out["slots"] += [table[p // page_size] * page_size + p % page_size for p in range(start, start + n)]
+        for b in range(0, n, qb):
+            m = min(qb, n - b)
+            out["unrow"] += range(len(out["rows"]) * qb, len(out["rows"]) * qb + m)
+            out["rows"].append(list(range(first + b, first + b + m)) + [0] * (qb - m))
+            out["row_seq"].append(i)
+            out["row_pos"].append(list(range(start + b, start + b + m)) + [0] * (qb - m))
+    used = out["cu_q_lens"][-1]
+    if used > tokens or len(runs) > seqs or len(out["rows"]) > n_rows:
+        raise ValueError(f"{used} tokens of {len(runs)} sequences do not fit a step of {tokens} tokens and {seqs} sequences")
+    for name, pad, n in (("kv_lens", 0, seqs), ("page_indices", [0] * pages, seqs), ("cu_q_lens", used, seqs + 1),
+                         ("positions", 0, tokens), ("slots", 0, tokens), ("unrow", 0, tokens),
+                         ("rows", [0] * qb, n_rows), ("row_seq", 0, n_rows), ("row_pos", [0] * qb, n_rows)):
+        out[name] += [pad] * (n - len(out[name]))
+    return out
 
 
 class SlotCache(nn.Module):
@@ -152,68 +191,96 @@ def replicator(model):
     return lambda t: constraints[t.dim()](t)
 
 
-def prefill_program(model, views, caches, pin, state, tokens, input_pos, row, kv_len, targets=None):
-    """One prompt section of R requests: tokens (R, n) at cache positions input_pos (n,) of their
-    slots, attention over the first kv_len positions. row: the requests' slots (R,), ints (R, 5)
-    [0, width, pad, seed, top_k] and floats (R, 2) [temperature, top_p]. targets (R, n): the next
-    prompt token at each position, for the prompt's log-probabilities (None: not asked). The slots'
-    state rows become the requests' rows, with the first token as the last token (parked before
-    the last section: `ModelRunner.prefill`). Returns (first tokens (R,), their `logprobs_of`, the
-    prompt's `logprobs_of` each (R, n, ...) or None, state, caches)."""
-    slots, ints, floats = row
-    attach(views, caches, slots)
-    logits = model(tokens, input_pos, ints[:, 2], kv_len, last_only=targets is None)  # (R, 1 or n, vocab_size)
+class PagedCache(nn.Module):
+    """A layer's KV cache in the engine, in place of the model's `KVCache`: inside a step, `pages`
+    (num_pages, page_size, 2 * n_kv_heads, head_dim) are the pages handed in and `batch` the step's
+    `attention.RaggedBatch`. `attend` writes the step's keys and values into their pages, out of
+    place, keeping the result for the step to return, and attends over them."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh, self.pages, self.batch = mesh, None, None
+
+    def attend(self, q, k, v, scale):
+        """q (T, n_heads, head_dim), k, v (T, n_kv_heads, head_dim) -> (T, n_heads, head_dim)."""
+        self.pages = write_pages(self.pages, self.batch, k, v)
+        return ragged_attention(q, self.pages, self.batch, scale, self.mesh)
+
+
+def step_program(model, views, pages, pin, last, tokens, from_last, batch, seqs, targets=None):
+    """One ragged step (`Llama.ragged`): the tokens of every request it runs on one flat axis.
+
+    tokens (T,): the host's input tokens; from_last (T,): the slot whose newest token, `last[slot]`
+    on the device, is the input instead (-1: the host's token). seqs, per sequence (S,): logits_at
+    (its last token on the flat axis), write_to (its slot, or the spare last row of `last` when it
+    samples nothing: a prompt chunk before its last), ints (S, 2) [seed, top_k], floats (S, 2)
+    [temperature, top_p]. targets (T,): the next prompt token at each position, for the prompt's
+    log-probabilities (None: not asked). Returns (a sampled token per sequence (S,), their
+    `logprobs_of`, the prompt's `logprobs_of` (T, ...) or None, last, pages)."""
+    logits_at, write_to, ints, floats = seqs
+    tokens = torch.where(from_last >= 0, last[from_last.clamp(min=0)], tokens)  # (T,)
+    for view, p in zip(views, pages):
+        view.pages, view.batch = p, batch
+    logits = model.ragged(tokens, batch.positions, None if targets is not None else logits_at)  # (S or T, vocab_size)
     prompt = None if targets is None else tuple(map(pin, logprobs_of(logits, targets)))
-    logits = logits[:, -1]  # (R, vocab_size)
-    pos = input_pos[-1].expand(tokens.shape[0])  # (R,): the last position, the same in every row
-    first = pin(sample_rows(logits, floats[:, 0], floats[:, 1], ints[:, 3], pos, ints[:, 4]))  # (R,)
-    new = (torch.cat([first[:, None], ints[:, 1:]], dim=-1), floats)  # (R, 5), (R, 2)
-    state = tuple(pin(s.index_copy(0, slots, r)) for s, r in zip(state, new))
-    return first, tuple(map(pin, logprobs_of(logits, first))), prompt, state, [(v.k, v.v) for v in views]
+    logits = logits if targets is None else logits[logits_at]  # (S, vocab_size)
+    pos = batch.positions[logits_at].long()  # (S,) the position each samples from
+    nxt = sample_rows(logits, floats[:, 0], floats[:, 1], ints[:, 0], pos, ints[:, 1])  # (S,)
+    last = last.index_copy(0, write_to, nxt)  # (slots + 1,)
+    return pin(nxt), tuple(map(pin, logprobs_of(logits, nxt))), prompt, pin(last), [v.pages for v in views]
 
 
-def decode_program(model, views, caches, pin, state, greedy, kv_len, max_seq_len):
-    """One token for every slot, each at its own position, attention over the first kv_len cache
-    positions; a free slot computes too (its token is ignored). greedy (a Python bool: two graphs)
-    is a bare argmax, for when no busy slot samples or asks for log-probabilities. Returns (tokens
-    (slots,), their `logprobs_of` or None, state, caches)."""
-    ints, floats = state
-    tokens, pos, pad, seed, top_k = ints.unbind(dim=-1)  # each (slots,)
-    attach(views, caches)
-    logits = model(tokens[:, None], pos[:, None], pad, kv_len)[:, -1]  # (slots, vocab_size)
-    if greedy:
-        nxt, logprobs = logits.argmax(dim=-1), None
-    else:
-        nxt = sample_rows(logits, floats[:, 0], floats[:, 1], seed, pos, top_k)
-        logprobs = tuple(map(pin, logprobs_of(logits, nxt)))
-    pos = (pos + 1).clamp(max=max_seq_len - 1)  # a free slot stays in its row
-    ints = torch.stack([nxt, pos, pad, seed, top_k], dim=-1)  # (slots, 5)
-    # floats unchanged, but a copy: a compiled program's output that is one of its inputs comes back as a
-    # view of it, and the next program traced on that view bakes its value in as a constant (measured)
-    return pin(nxt), logprobs, (pin(ints), floats.clone()), [(v.k, v.v) for v in views]
+def doubling(first, last):
+    """first, 2 first, 4 first, ... up to last (included): e.g. (16, 32, 64, 100) for 16 and 100."""
+    out = [first]
+    while out[-1] < last:
+        out.append(min(2 * out[-1], last))
+    return tuple(out)
+
+
+def round_up(n, sizes):
+    return next(k for k in sizes if k >= n)
 
 
 class ModelRunner:
     """The device side of `engine.Engine` over a `Llama` (moved to the XLA device if on the CPU;
-    or sharded by `parallel.shard_for_inference`): the model's own KV caches become the slots'
-    (max_batch_size >= slots rows), and `prefill` / `decode` launch the programs above, compiled
-    with torch.compile(backend="openxla") if `compile` (`shapes`: how many shapes they take, at most),
-    else traced as lazy tensors at every call."""
+    or sharded by `parallel.shard_for_inference`): every layer's KV cache becomes a pool of
+    `num_pages` pages of `page_size` positions (the model's own fixed-slot caches are dropped), and
+    `step` launches `step_program`, compiled with torch.compile(backend="openxla") if `compile`,
+    else traced as lazy tensors at every call.
 
-    def __init__(self, model, slots, compile, shapes=0):
+    Shapes: T tokens (`token_buckets`, the largest the step's budget) and P pages per block table
+    (`page_buckets`: doubling up to a whole context's, so a step whose requests are short reads
+    few pages: the gather path's cost; the kernel reads only each sequence's kv length and takes
+    one P). A step with prompt log-probabilities runs at the largest of both (one more program)."""
+
+    def __init__(self, model, slots, num_pages, page_size, token_buckets, compile):
         self.device = torch_xla.device()
         self.model = model if model.embed_tokens.weight.device.type == "xla" else model.to(self.device)
         if getattr(self.model, "mesh", None) is None:
             mark_replicated(self.model)
         self.mesh = getattr(self.model, "mesh", None) or make_mesh()
         self.pin = replicator(self.model)
-        self.caches = Caches(self.model, compile)
-        self.slots, self.max_seq_len = slots, self.model.args.max_seq_len
-        self.state = (self.put(torch.zeros(slots, 5, dtype=torch.long)), self.put(torch.ones(slots, 2)))
-        if compile:
-            self.prefill_program, self.decode_program = compiled(prefill_program, shapes), compiled(decode_program, shapes)
-        else:
-            self.prefill_program, self.decode_program = prefill_program, decode_program
+        args, dtype = self.model.args, self.model.embed_tokens.weight.dtype
+        self.slots, self.page_size, self.token_buckets = slots, page_size, tuple(token_buckets)
+        self.views = [PagedCache(getattr(self.model, "mesh", None)) for _ in self.model.layers]
+        for layer, view in zip(self.model.layers, self.views):
+            layer.self_attn.kv_cache = view  # the model's fixed-slot caches go: the pages replace them
+        shape = (num_pages, page_size, 2 * args.n_kv_heads, args.head_dim)
+        spec = (None, None, "model" if "model" in self.mesh.axis_names else None, None)
+        self.pages = [to_sharded(lambda index: torch.zeros([s.stop - s.start for s in index], dtype=dtype),
+                                 self.mesh, spec, shape) for _ in self.model.layers]
+        self.last = self.put(torch.zeros(slots + 1, dtype=torch.long))  # each slot's newest token; a spare row
+        whole = pages_for(args.max_seq_len, page_size)
+        kernel = on_tpu() and kernel_fits(args.n_kv_heads // axis_size(self.mesh, "model"), args.head_dim, dtype)
+        self.page_buckets = (whole,) if kernel else doubling(1, whole)
+        self.compile = compile
+        self.program = compiled(step_program, len(self.shapes())) if compile else step_program
+
+    def shapes(self):
+        """The (T, P, prompt log-probabilities) each step runs at: every pair, and the largest with them."""
+        return [(t, p, False) for t in self.token_buckets for p in self.page_buckets] + \
+            [(self.token_buckets[-1], self.page_buckets[-1], True)]
 
     def put(self, t):
         """A host tensor on the device, annotated 'replicated' as data (not as a graph op, which
@@ -222,28 +289,60 @@ class ModelRunner:
         xs.mark_sharding(t, self.mesh, (None,) * t.dim())
         return t
 
-    def run(self, program, *args):
-        """Launch a program on the caches and the state; keep both; return its other outputs."""
-        *out, self.state = self.caches.run(program, self.pin, self.state, *args)
+    def shape(self, entries, echo):
+        """The (T, P) a step of these entries runs at."""
+        if echo:
+            return self.token_buckets[-1], self.page_buckets[-1]
+        used = sum(n for _, _, n, _ in entries)
+        longest = max(pages_for(start + n, self.page_size) for _, start, n, _ in entries)
+        return round_up(used, self.token_buckets), round_up(longest, self.page_buckets)
+
+    def inputs(self, entries, echo, t, p):
+        """The host side of a step: the plan's entries (request, start, n, samples) as step_program's
+        inputs, at T = t tokens and P = p pages per block table."""
+        layout = ragged_layout([(r.pages, start, n) for r, start, n, _ in entries], self.page_size, t, self.slots, p)
+        tokens, from_last, targets = [0] * t, [-1] * t, [0] * t
+        for (req, start, n, _), first in zip(entries, layout["cu_q_lens"]):
+            known = req.known
+            for i, pos in enumerate(range(start, start + n), first):
+                if pos < len(known):
+                    tokens[i] = known[pos]
+                else:  # its newest token, made by the step before, not read yet
+                    from_last[i] = req.slot
+                if pos + 1 < len(req.prompt):
+                    targets[i] = req.prompt[pos + 1]
+        s = self.slots - len(entries)  # the sequences past the plan's: nothing
+        logits_at = [c - 1 for c in layout["cu_q_lens"][1:len(entries) + 1]] + [0] * s
+        write_to = [r.slot if samples else self.slots for r, _, _, samples in entries] + [self.slots] * s
+        ints = [[r.seed, r.top_k] for r, *_ in entries] + [[0, 0]] * s
+        floats = [[r.temperature, r.top_p] for r, *_ in entries] + [[0.0, 1.0]] * s
+        batch = ragged_batch(layout, self.put)
+        seqs = (self.put(torch.tensor(logits_at)), self.put(torch.tensor(write_to)), self.put(torch.tensor(ints)),
+                self.put(torch.tensor(floats)))
+        return self.put(torch.tensor(tokens)), self.put(torch.tensor(from_last)), batch, seqs, \
+            self.put(torch.tensor(targets)) if echo else None
+
+    def step(self, entries, echo=False, shape=None):
+        """Launch one step for the plan's entries; returns its device outputs (a token per sequence
+        (slots,), their logprobs, the prompt's logprobs per flat token or None). echo: compute the
+        prompt's log-probabilities. shape: (T, P) instead of `self.shape(entries, echo)` (warm-up)."""
+        if self.compile:  # XLA may write the new pages and tokens into these buffers: updated in place
+            for t in self.pages + [self.last]:
+                torch.ops.xla.dynamo_set_buffer_donor_(t, True)
+        try:
+            *out, last, pages = self.program(self.model, self.views, self.pages, self.pin, self.last,
+                                             *self.inputs(entries, echo, *(shape or self.shape(entries, echo))))
+        finally:
+            for view in self.views:
+                view.pages = view.batch = None  # a reference alive at the sync would be one more output
+        if self.compile:  # the outputs live in the donated inputs' buffers
+            self.pages, self.last = pages, last
+        else:  # lazy: rebinds the pending graph to the tensors passed in, which the sync updates in place
+            for old, new in zip(self.pages + [self.last], pages + [last]):
+                old.copy_(new)
+            del pages, last, new
+            torch_xla.sync()
         return out
-    def prefill(self, slots, ints, floats, tokens, start, kv_len, targets=None, last=True):
-        """Launch one prompt section (host lists: slots (R,), ints (R, 5), floats (R, 2), tokens
-        (R, n) starting at cache position `start`, targets (R, n) or None); returns
-        `prefill_program`'s device outputs (first tokens, their logprobs, the prompt's).
-
-        Before their last section, the slots' state rows are parked at position max_seq_len - 1:
-        the decode steps in between write there, a position no request reads (a request's last
-        input sits at max_seq_len - 2 at most), not into the prompt just written."""
-        if not last:
-            ints = [[0, self.max_seq_len - 1, *r[2:]] for r in ints]
-        row = self.put(torch.tensor(slots)), self.put(torch.tensor(ints)), self.put(torch.tensor(floats))
-        input_pos = self.put(torch.arange(start, start + len(tokens[0])))
-        targets = None if targets is None else self.put(torch.tensor(targets))
-        return self.run(self.prefill_program, self.put(torch.tensor(tokens)), input_pos, row, kv_len, targets)
-
-    def decode(self, greedy, kv_len):
-        """Launch one decode step; returns its device outputs (tokens (slots,), logprobs or None)."""
-        return self.run(self.decode_program, greedy, kv_len, self.max_seq_len)
 
     @staticmethod
     def read(outputs):

@@ -1,33 +1,47 @@
-"""The serving engine's scheduler: at each step, which prompt sections prefill and which slots
-decode. Plain Python (no tensors), so it is tested, and notebook 06 replays it, without a device.
+"""The serving engine's scheduler: at each step, which tokens of which requests go through the
+model, and which pages of the KV cache hold them. Plain Python (no tensors), so it is tested, and
+notebook 06 replays it, without a device.
 
-    sched = Scheduler(slots=4, buckets=(16, 32), max_seq_len=128)
+    pool = PagePool(num_pages=64, page_size=16)
+    sched = Scheduler(slots=8, budget=256, pool=pool)
     sched.add(req)                  # a Request: its prompt and max_tokens
-    plan = sched.schedule()         # Plan(prefill=[(req, start, n, kv_len), ...], decode=[req, ...], kv_len=...)
-    ...                             # the engine runs the plan on the device
-    sched.finish(req)               # it ended (EOS, a stop string, cancelled): its slot is free
+    plan = sched.schedule()         # Plan(entries=[(req, start, n, samples), ...], preempted=[...])
+    ...                             # the engine runs the plan on the device in one ragged step
+    sched.finish(req)               # it ended (EOS, a stop string, cancelled): its slot and pages are free
 
-vLLM v1's split: the scheduler decides within a token budget, the engine (the runner) executes.
-Each step has a budget of `budget` tokens. Every request that holds a slot and has finished its
-prefill decodes one token (one whose last section runs too, in the same step: the engine's
-decode step advances every slot); prompt sections fill the rest of the budget, so a long
-prompt is prefilled a section per step while the others keep decoding (chunked prefill, as in
-vLLM and Sarathi-Serve), instead of stalling every slot until it is done. A step always takes at
-least one section when one waits, whatever its size. Sections are those of `Generator`: a prompt
-left-padded into its smallest bucket, then sections of the largest bucket
-(`generate.prefill_sections`). A request takes a free slot when its first section runs, and its
-slot is free again as soon as its last token is dispatched (max_tokens) or it has finished.
+vLLM v1's scheduler, in small. A request's tokens are its prompt, then the tokens it generates;
+`computed` of them have gone through the model (their keys and values are in its pages). Each
+step has a budget of `budget` tokens, and every request scheduled in it gets a run of
+positions [start, start + n): a running request that has caught up decodes one token (its newest,
+usually still on the device: the engine reads a step's tokens one step later), one mid-prompt
+continues its prompt with as many tokens as the budget leaves (chunked prefill, as in vLLM and
+Sarathi-Serve), and waiting requests take free slots with what is left. A run that ends at a
+request's newest token samples the next one. Prefill and decode share the step: one flat axis of
+tokens, each attending to its own request's pages (`attention.ragged_attention`).
 
-Attention reads only the cache positions in use (`Llama.forward`'s kv_len): a decode step reads
-the smallest of `kv_buckets` that holds every decoding slot's position, a section reads up to its
-own end (rounded up to a bucket). Few lengths, so few graphs, each compiled at warm-up.
+Pages: before a step writes positions up to p, the request holds the pages for them
+(`kv_pages.PagePool`); a decode adds a page every page_size tokens. When the pool runs short, the
+running request admitted last is preempted: its pages go back to the pool and it waits at the
+front of the queue, to be recomputed (its prompt and the tokens it made so far, prefilled again)
+when pages free up: vLLM v1's rule, never dropped. Its full pages stay cached, so the recompute
+usually reuses most of them. Nothing is admitted in a step that preempted.
 
-Sources: vLLM v1's scheduler, https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/sched/scheduler.py;
-Sarathi-Serve, "Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve" (OSDI 2024),
+Prefix caching: a waiting request looks up its known tokens' full pages (`kv_pages.page_hashes`)
+and starts at the end of the longest cached chain (never at its last token, whose logits it
+needs). As a request's tokens become known and computed, its full pages are registered.
+
+A slot is a row of the step's small per-request state (the newest token, sampling settings), not
+a context: `slots` bounds how many requests are in flight; the pool's pages bound their tokens.
+
+Sources: vLLM v1's scheduler and KV cache manager, https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/sched/scheduler.py,
+https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/kv_cache_manager.py; Sarathi-Serve,
+"Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve" (OSDI 2024),
 https://arxiv.org/abs/2403.02310
 """
 import collections
 import dataclasses
+
+from .kv_pages import page_hashes, pages_for
 
 
 @dataclasses.dataclass(eq=False)
@@ -51,152 +65,176 @@ class Request:
     error: str = None  # with finish_reason "error": what went wrong
     cancelled: bool = False
     submitted_at: float = 0.0
-    scheduled_at: float = None  # its first prompt section ran
+    scheduled_at: float = None  # its first prompt tokens ran
     first_token_at: float = None
     finished_at: float = None
     stream: object = None  # the engine's detokenize.TextStream (with `decode`)
     # The scheduler's bookkeeping
-    slot: int = None
-    sections: tuple = ()  # prompt section lengths (the first holds the left padding)
-    prefilled: int = 0  # sections run
-    dispatched: int = 0  # tokens the device has been asked for: the first (last section), then one per decode
+    slot: int = None  # its row of the step's state while it runs
+    pages: list = dataclasses.field(default_factory=list)  # its block table: the pages of positions 0, page_size, ...
+    hashes: list = dataclasses.field(default_factory=list)  # the names of its known full pages (kv_pages.page_hashes)
+    registered: int = 0  # its first pages registered in the prefix cache
+    computed: int = 0  # positions whose keys and values are written (or being written by a step in flight)
+    dispatched: int = 0  # tokens the device has been asked for
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at its (last) admission
+    preemptions: int = 0
 
     @property
     def done(self):
         return self.finish_reason is not None
 
     @property
-    def width(self):  # cache positions of the padded prompt
-        return sum(self.sections)
+    def known(self):  # its tokens the host knows: the prompt and the tokens read back
+        return self.prompt + self.tokens
+
+    @property
+    def length(self):  # its positions: the prompt and every token asked for
+        return len(self.prompt) + self.dispatched
 
 
 @dataclasses.dataclass
 class Plan:
-    prefill: list  # (request, start position, section length, kv_len) to run in this order
-    decode: list  # requests that decode one token
-    kv_len: int  # cache positions the decode step reads (0 when nothing decodes)
+    entries: list  # (request, start, n, samples): positions start .. start + n - 1 go through the model, in
+    # this order; samples: the run ends at the request's newest token, so it samples the next one
+    preempted: list  # requests preempted this step (back in the queue)
 
     @property
-    def tokens(self):  # the budget used: prompt positions (padding included) and decoded tokens
-        return sum(n for _, _, n, _ in self.prefill) + len(self.decode)
-
-
-def prefill_sections(n, buckets):
-    """Section lengths that hold an n-token prompt, left-padded into the first section.
-
-    The tokens that are not a multiple of the largest bucket go into the smallest bucket
-    that holds them, the rest into largest-bucket sections: with (128, 256, 384, 512),
-    100 -> [128], 600 -> [128, 512], 1500 -> [512, 512, 512].
-    """
-    largest = buckets[-1]
-    full, rest = divmod(n, largest)
-    first = [min(b for b in buckets if b >= rest)] if rest else []
-    return first + [largest] * full
-
-
-def kv_buckets(buckets, max_seq_len):
-    """The cache lengths attention reads: the smallest prefill bucket doubled until max_seq_len,
-    e.g. (64, 128, 256, 512, 768) for buckets starting at 64 and a 768-slot cache; a step reads
-    at most twice what it needs."""
-    lengths = [buckets[0]]
-    while lengths[-1] < max_seq_len:
-        lengths.append(min(2 * lengths[-1], max_seq_len))
-    return tuple(lengths)
-
-
-def round_up(n, lengths):
-    return next(k for k in lengths if k >= n)
-
-
-def prefill_shapes(buckets, max_seq_len):
-    """Every (section length, kv_len) a prefill can run at: a first section reads itself, a later
-    one (the largest bucket, after at least the smallest) a kv bucket up to the cache's end."""
-    kv = kv_buckets(buckets, max_seq_len)
-    later = [(buckets[-1], k) for k in kv if k >= buckets[0] + buckets[-1]]
-    return [(b, b) for b in buckets] + later
+    def tokens(self):  # the budget used
+        return sum(e[2] for e in self.entries)
 
 
 class Scheduler:
-    def __init__(self, slots, buckets, max_seq_len, budget=None):
-        self.buckets, self.kv_buckets = tuple(buckets), kv_buckets(buckets, max_seq_len)
-        self.budget = budget or buckets[-1] + slots
-        if self.budget < 1:
-            raise ValueError(f"budget={budget} must be >= 1 token per step")
+    def __init__(self, slots, budget, pool, prefix_caching=True):
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget={budget!r} must be an int >= 1 token per step")
+        self.budget, self.pool, self.prefix_caching = budget, pool, prefix_caching
         self.running = [None] * slots  # the request holding each slot
         self.waiting = collections.deque()
+        self.order = []  # the running requests, first admitted first (the last is preempted first)
+        self.preemptions = self.queries = self.hits = 0  # preemptions; prefix-cache tokens looked up, tokens found
 
     def add(self, req):
-        req.sections = tuple(prefill_sections(len(req.prompt), self.buckets))
         self.waiting.append(req)
 
     def finish(self, req):
-        """req has ended: out of the queue, and its slot (if it still holds one) free."""
-        if req.slot is not None and self.running[req.slot] is req:
-            self.running[req.slot] = None
+        """req has ended: out of the queue, its slot and pages free."""
+        if req in self.order:
+            self.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
+    def release(self, req):
+        """req's slot and pages go back (req.pages keeps the list: a step just planned still writes there)."""
+        self.register(req)
+        self.pool.free(req.pages)
+        self.order.remove(req)
+        self.running[req.slot] = None
+
+    def register(self, req):
+        """Register req's full pages whose tokens are known and computed."""
+        ps = self.pool.page_size
+        req.hashes = page_hashes(req.known, ps, req.hashes)
+        for i in range(req.registered, min(len(req.hashes), req.computed // ps)):
+            self.pool.register(req.pages[i], req.hashes[i])
+        req.registered = max(req.registered, min(len(req.hashes), req.computed // ps))
+
+    def preempt(self, req):
+        """Back to the front of the queue, its pages freed; it will prefill its tokens again."""
+        self.release(req)
+        req.pages, req.computed, req.registered = [], 0, 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def grow(self, req, end):
+        """Pages for req's positions up to `end`; False if the pool is short."""
+        new = self.pool.allocate(max(pages_for(end, self.pool.page_size) - len(req.pages), 0))
+        if new is None:
+            return False
+        req.pages += new
+        return True
+
     def schedule(self):
-        """The next step's plan. A request mid-prefill goes first (one long prompt at a time, a
-        section per step), then waiting ones take free slots, while the budget lasts."""
-        decode = [r for r in self.running if r is not None and r.prefilled == len(r.sections)
-                  and r.dispatched < r.max_tokens]
-        left, prefill = self.budget - len(decode), []
-        while True:
-            req = next((r for r in self.running if r is not None and r.prefilled < len(r.sections)), None)
-            if req is None:
-                if not self.waiting or None not in self.running:
-                    break
-                req = self.waiting[0]
-            n = req.sections[req.prefilled]
-            if prefill and n > left:
-                break
-            if req.slot is None:  # its first section: it takes a slot
-                self.waiting.popleft()
-                req.slot = self.running.index(None)
-                self.running[req.slot] = req
-            start = sum(req.sections[:req.prefilled])
-            prefill.append((req, start, n, n if start == 0 else round_up(start + n, self.kv_buckets)))
-            req.prefilled += 1
-            left -= n
-            if req.prefilled == len(req.sections):
-                req.dispatched = 1  # the last section picks the first token
-                if req.max_tokens > 1:  # its slot is set before this step's decode
-                    decode.append(req)
-                    left -= 1
-        kv_len = round_up(max(r.width + r.dispatched for r in decode), self.kv_buckets) if decode else 0
-        for r in decode:
-            r.dispatched += 1
-        for r in self.running:  # every token asked for: the slot can take the next request
-            if r is not None and r.prefilled == len(r.sections) and r.dispatched >= r.max_tokens:
-                self.running[r.slot] = None
-        return Plan(prefill, decode, kv_len)
+        """The next step's plan: running requests first (in admission order), then waiting ones
+        while slots, pages and the budget last."""
+        self.left, entries, preempted = self.budget, [], []
+        for req in list(self.order):
+            if req not in self.order:  # preempted for an earlier one
+                continue
+            n = min(req.length - req.computed, self.left)
+            while n and not self.grow(req, req.computed + n):
+                victim = self.order[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                n = 0 if victim is req else n
+            if n:
+                entries.append(self.take(req, n))
+        while self.waiting and not preempted and self.left and None in self.running and self.admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            entries.append(self.take(req, min(req.length - req.computed, self.left)))
+        for req, _, _, samples in entries:
+            req.dispatched += samples
+            if req.dispatched == req.max_tokens:  # every token asked for: its slot and pages go to the next request
+                self.release(req)
+        return Plan(entries, preempted)
+
+    def take(self, req, n):
+        """req's next n positions run this step: an entry of the plan. Its pages filled by them
+        are registered now, so a request admitted after it in the same step can reuse them (the
+        step writes every token's keys and values before any attention reads them)."""
+        start, self.left = req.computed, self.left - n
+        req.computed += n
+        self.register(req)
+        return req, start, n, start + n == req.length
+
+    def admit(self, req):
+        """Give req (the queue's first) a slot, its cached prefix and pages for what it runs first;
+        False (nothing taken) if the pool is short."""
+        ps = self.pool.page_size
+        req.dispatched = len(req.tokens)  # after a preemption: every token it made is known again
+        req.hashes = page_hashes(req.known, ps, req.hashes)
+        # never its last token (its logits are needed), nor for the prompt's log-probabilities (never computed)
+        hit = self.pool.lookup(req.hashes[:(req.length - 1) // ps]) if self.prefix_caching and not req.prompt_logprobs else []
+        self.pool.hold(hit)
+        req.pages, req.computed = list(hit), len(hit) * ps
+        if not self.grow(req, req.computed + min(req.length - req.computed, self.left)):
+            self.pool.free(hit)
+            req.pages, req.computed = [], 0
+            return False
+        req.registered, req.cached_tokens = len(hit), req.computed
+        self.queries, self.hits = self.queries + req.length, self.hits + req.cached_tokens
+        req.slot = self.running.index(None)
+        self.running[req.slot] = req
+        self.order.append(req)
+        return True
 
     def busy(self):
-        return any(r is not None for r in self.running) or bool(self.waiting)
+        return bool(self.order) or bool(self.waiting)
 
 
 def replay(scheduler, requests, arrivals=None):
-    """The decode timeline (per decode step, the index of the request in each slot, None if idle)
-    that `scheduler` gives `requests`, (prompt length, max_tokens, tokens it makes) each, arriving
-    at step `arrivals[i]` (default: all at the first). Like `Engine`, it learns a step's tokens
-    one step later, so a request that ends before max_tokens (EOS) decodes once more."""
-    reqs = [Request([0] * n, max_tokens, id=i) for i, (n, max_tokens, _) in enumerate(requests)]
+    """The timeline that `scheduler` gives `requests`, (prompt, max_tokens, tokens it makes) each
+    (a prompt: a list of token ids, or a length), arriving at step `arrivals[i]` (default: all at
+    the first): per step that runs anything, the pages each request in it holds ({request index: pages}). Like
+    `Engine`, it learns a step's tokens one step later, so a request that ends before max_tokens
+    (EOS) decodes once more. The tokens it makes are stand-ins (0)."""
+    reqs = [Request(list(p) if isinstance(p, (list, tuple)) else [0] * p, m, id=i)
+            for i, (p, m, _) in enumerate(requests)]
     arrivals = arrivals or [0] * len(reqs)
-    made, timeline, last, step = [0] * len(reqs), [], [], 0
+    timeline, last, step = [], [], 0
     while any(not r.done for r in reqs):
         for r, a in zip(reqs, arrivals):
             if a == step:
                 scheduler.add(r)
         plan = scheduler.schedule()
-        if plan.decode:
-            slots = {r.slot: r.id for r in plan.decode}
-            timeline.append([slots.get(s) for s in range(len(scheduler.running))])
+        if plan.entries:
+            timeline.append({e[0].id: len(e[0].pages) for e in plan.entries})
         for r in last:  # the previous step's tokens, read now
-            made[r.id] += not r.done
-            if made[r.id] == requests[r.id][2]:
-                r.finish_reason = "stop"
-                scheduler.finish(r)
-        last = [r for r, start, n, _ in plan.prefill if start + n == r.width] + plan.decode
+            if not r.done:
+                r.tokens.append(0)
+                if len(r.tokens) in (requests[r.id][2], r.max_tokens):
+                    r.finish_reason = "stop"
+                    scheduler.finish(r)
+        last = [req for req, _, _, samples in plan.entries if samples]
         step += 1
     return timeline

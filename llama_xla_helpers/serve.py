@@ -53,8 +53,7 @@ from transformers import GenerationConfig, LlamaConfig
 from . import checkpoint
 from .api import app
 from .cli import ArgumentParser, add_compile_cache_args, int_list, user_errors
-from .engine import Engine
-from .generate import check_buckets
+from .engine import BUCKETS, Engine, check_buckets
 from .mesh import make_mesh, mesh_shape
 from .model import Llama, ModelArgs
 from .parallel import check_tensor_parallel, replicate_kv_heads, shard_for_inference
@@ -64,7 +63,6 @@ from .tokenizer import TOKENIZER_FILES, ByteTokenizer, load_tokenizer
 from .train import DTYPES, TOKENIZER_DIR, TrainConfig, build_model, mesh_arg, model_config
 
 MAX_SEQ_LEN = 2048  # the default cache length: max_position_embeddings, capped here
-BUCKETS = (128, 256, 384, 512)  # default prefill buckets: those up to half the cache
 DRAIN_TIMEOUT = 30.0  # seconds that SIGTERM waits for the requests in flight
 GENERATION_CONFIG = "generation_config.json"
 
@@ -104,13 +102,13 @@ def read_tokenizer(path, step, config):
     return ByteTokenizer()
 
 
-def check_lengths(config, max_seq_len, buckets):
-    """ValueError unless the cache fits the model's positions and the buckets fit the cache (with
-    the 2 tokens the engine's warm-up generates after the largest)."""
+def check_lengths(config, max_seq_len, buckets, slots):
+    """ValueError unless the longest request fits the model's positions and a step's budget (the
+    largest bucket) holds a token of every request in flight."""
     if max_seq_len > config.max_position_embeddings:
         raise ValueError(f"max_seq_len={max_seq_len} > the model's max_position_embeddings="
                          f"{config.max_position_embeddings}; pass --max-seq-len {config.max_position_embeddings} or less")
-    check_buckets(buckets, max_seq_len, room=2)
+    check_buckets(buckets, slots)
 
 
 def mesh_shape_for(n, config):
@@ -169,21 +167,23 @@ def check_one_host():
 
 
 def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buckets=None, dtype=None,
-                quantize=None, compile=None):
+                quantize=None, compile=None, pages=None, prefix_caching=True):
     """(Engine, tokenizer) for the model at `path`, not yet warmed up. Every argument is checked
     against the model's config before a weight is read.
 
-    slots: 4 by default (rounded up to a multiple of the mesh's 'data' axis); max_seq_len: the
-    config's max_position_embeddings capped at 2048; mesh: (data, model) devices (default:
-    `mesh_shape_for`; on a CPU it sets the number of virtual devices, as train's --mesh does);
-    buckets: those of 128, 256, 384, 512 up to half the cache; dtype: "bf16" or "fp32" (default:
-    `runtime.default_dtype()`: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU); quantize:
-    None, "int8" or "int4" (weight-only, `quantize.quantize`); compile: `Engine`'s (None: on a TPU).
+    slots: requests in flight at most, 4 by default (rounded up to a multiple of the mesh's 'data'
+    axis); max_seq_len: the longest request, prompt and tokens (the config's max_position_embeddings
+    capped at 2048); mesh: (data, model) devices (default: `mesh_shape_for`; on a CPU it sets the
+    number of virtual devices, as train's --mesh does); buckets: a step's token counts
+    (`engine.BUCKETS`); dtype: "bf16" or "fp32" (default: `runtime.default_dtype()`:
+    LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU); quantize: None, "int8" or "int4"
+    (weight-only, `quantize.quantize`); compile: `Engine`'s (None: on a TPU); pages: the KV cache
+    pool's pages (default: `slots` whole contexts); prefix_caching: reuse cached prompt pages.
     """
     config, step = read_config(path)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, MAX_SEQ_LEN)
-    buckets = tuple(buckets or [b for b in BUCKETS if 2 * b <= max_seq_len] or [max_seq_len // 2])
-    check_lengths(config, max_seq_len, buckets)
+    buckets = tuple(buckets or BUCKETS)
+    check_lengths(config, max_seq_len, buckets, slots or 4)
     tokenizer = read_tokenizer(path, step, config)
     check_one_host()
     init_runtime(cpu_devices=math.prod(mesh) if mesh else None)
@@ -205,7 +205,9 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     if mesh is not None:
         model = shard_for_inference(model, mesh)
     decode, eos_ids = decoder(tokenizer, config, path)
-    return Engine(model, slots, buckets, max_queue, eos_ids, decode, on_recompile="count", compile=compile), tokenizer
+    engine = Engine(model, slots, buckets, max_queue, eos_ids, decode, on_recompile="count", compile=compile, pages=pages,
+                    prefix_caching=prefix_caching)
+    return engine, tokenizer
 
 
 def decoder(tokenizer, config=None, path=None):
@@ -320,15 +322,18 @@ def parse_args(argv=None):
     parser = ArgumentParser(prog="python -m llama_xla_helpers.serve", description=__doc__.split("\n")[0])
     parser.add_argument("dir", help="a local Hugging Face folder (config.json + *.safetensors), or a training "
                                     "checkpoint (a step_XXXXXXXX folder or the folder holding them)")
-    parser.add_argument("--slots", type=bounded(1), help="requests decoded together (default: 4, rounded up to a "
+    parser.add_argument("--slots", type=bounded(1), help="requests in flight at most (default: 4, rounded up to a "
                                                          "multiple of --mesh's data axis)")
-    parser.add_argument("--max-seq-len", type=bounded(2), help="KV cache length per slot (default: the config's "
-                                                               f"max_position_embeddings, at most {MAX_SEQ_LEN})")
+    parser.add_argument("--max-seq-len", type=bounded(2), help="the longest request, prompt and tokens (default: the "
+                                                               f"config's max_position_embeddings, at most {MAX_SEQ_LEN})")
+    parser.add_argument("--pages", type=bounded(2), help="KV cache pages in the pool (default: --slots whole contexts)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the cached pages of prompts that start alike (default: on)")
     parser.add_argument("--max-queue", type=bounded(1), default=64, help="requests waiting for a slot before 429")
     parser.add_argument("--mesh", type=mesh_arg, help="data,model devices, e.g. 1,8 (default: picked for the devices "
                                                       "and the model's heads)")
-    parser.add_argument("--buckets", type=int_list("128,256,512"), help="prefill lengths, e.g. 128,256,512 (default: "
-                                                         f"{','.join(map(str, BUCKETS))}, those up to half the cache)")
+    parser.add_argument("--buckets", type=int_list("16,64,256"), help="a step's token counts, the largest its budget, "
+                                                         f"e.g. 16,64,256 (default: {','.join(map(str, BUCKETS))})")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on; 0.0.0.0: every interface (then pass --api-key)")
     parser.add_argument("--port", type=bounded(0, 65535), default=8000, help="port to listen on; 0: any free port")
@@ -360,11 +365,13 @@ def main(argv=None):
                      cache_readonly=args.compile_cache_readonly)  # the cache before anything compiles
         sock = listen(args.host, args.port)
         engine, tokenizer = load_engine(args.dir, args.slots, args.max_seq_len, args.max_queue, args.mesh,
-                                        args.buckets, args.dtype, args.quantize, args.compile)
+                                        args.buckets, args.dtype, args.quantize, args.compile, args.pages,
+                                        args.prefix_caching)
     a, mesh = engine.model.args, getattr(engine.model, "mesh", None)
     print(f"{args.dir}: {a.n_layers} layers, {a.n_kv_heads} KV heads, {engine.model.embed_tokens.weight.dtype}, "
-          f"mesh {tuple(mesh.mesh_shape) if mesh else None}, {engine.slots} slots of {a.max_seq_len} tokens, "
-          f"buckets {engine.buckets}, compile {engine.compile}, tokenizer {type(tokenizer).__name__}", flush=True)
+          f"mesh {tuple(mesh.mesh_shape) if mesh else None}, {engine.slots} slots, requests up to {a.max_seq_len} "
+          f"tokens, {engine.pool.num_pages - 1} pages of {engine.pool.page_size}, buckets {engine.buckets}, "
+          f"compile {engine.compile}, tokenizer {type(tokenizer).__name__}", flush=True)
     start = time.perf_counter()
     compiles = engine.warmup()
     print(f"warm-up: {compiles} graphs compiled in {time.perf_counter() - start:.1f} s", flush=True)

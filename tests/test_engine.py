@@ -1,6 +1,7 @@
-"""Engine: continuous batching gives each request the tokens it gets alone (unsharded and
-tensor-parallel), nothing compiles after warm-up (and a compile raises), bad requests fail
-alone, the queue is bounded, requests finish on EOS / stop strings / max_tokens or cancel."""
+"""Engine: continuous batching over a paged KV cache gives each request the tokens it gets alone
+(unsharded and tensor-parallel; after a preemption; with a prefix-cache hit), nothing compiles
+after warm-up (and a compile raises), bad requests fail alone, the queue is bounded, requests
+finish on EOS / stop strings / max_tokens or cancel, the pages are written in place."""
 import functools
 import re
 import threading
@@ -10,18 +11,19 @@ import torch
 
 from llama_xla_helpers import hlo
 from llama_xla_helpers.configs import get_config
-from llama_xla_helpers.engine import SAMPLE_TOP_K, Engine, QueueFull, RecompileError, row_counts, sample_rows
-from llama_xla_helpers.generate import Generator
+from llama_xla_helpers.engine import SAMPLE_TOP_K, Engine, QueueFull, RecompileError, sample_rows
+from llama_xla_helpers.generate import Generator, greedy_check
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.parallel import shard_for_inference
+from llama_xla_helpers.kv_pages import PagePool
 from llama_xla_helpers.scheduler import Scheduler, replay
 from util import N, hf_model, teacher_forced_agreement, tp_size
 
-BUCKETS = (16, 32)
-MAX_SEQ_LEN = 128
-LENGTHS = (5, 20, 40, 3, 31, 12, 33)  # 40 and 33 need two prefill sections (16 + 32)
+BUCKETS = (16, 32)  # a step's token counts: its budget is 32
+MAX_SEQ_LEN = 128  # pages of 16 positions (kv_pages.page_size_for)
+LENGTHS = (5, 20, 40, 3, 31, 12, 33)  # 40 and 33 are prefilled in two chunks at least
 
 
 def prompts(lengths=LENGTHS, seed=0):
@@ -81,42 +83,33 @@ def test_tokens_equal_generator_alone_whatever_shares_the_batch(mesh_shape):
     assert [r.tokens for r in reqs] == list(want)
     assert [r.finish_reason for r in reqs] == ["length"] * len(reqs)
     assert count_compiles() == compiles and eng.compiles_since_warmup == 0
-    # A slot freed by a finished request was taken by a waiting one while others kept decoding.
-    owners = {slot: [step[slot] for step in eng.timeline] for slot in range(eng.slots)}
-    assert any(len(set(o) - {None}) > 1 for o in owners.values())
+    # Every slot was busy at once, and requests that came later took the slots of those that ended.
+    assert max(map(len, eng.timeline)) == eng.slots and len({r.slot for r in reqs}) <= eng.slots
 
 
-def test_prompts_arriving_together_prefill_in_one_graph_and_get_what_they_get_alone():
-    """Five one-section prompts of one bucket arrive at once (a budget that admits them all): the
-    four that get slots prefill as one 4-row graph (a later group of one as a one-row graph); each
-    request's greedy and sampled tokens, log-probabilities and echoed prompt equal its own run
-    alone; a group of 3 runs as 4 rows, the last repeated; nothing compiles after warm-up."""
-    eng, short = engine(budget=200), prompts((5, 7, 9, 3, 11), seed=3)
-    assert eng.row_counts == (1, 2, 4) and row_counts(6) == (1, 2, 4, 6) and row_counts(1) == (1,)
-    launches, prefill = [], eng.prefill
-    eng.prefill = lambda reqs, *args: launches.append([r.id for r in reqs]) or prefill(reqs, *args)
+def test_prompts_arriving_together_run_in_one_step_and_get_what_they_get_alone():
+    """Four short prompts arrive at once: their prompts go through the model in one step (one
+    program), beside each other on the flat token axis; each request's greedy and sampled tokens,
+    log-probabilities and echoed prompt equal its own run alone; nothing compiles after warm-up."""
+    eng, short = engine(), prompts((5, 7, 9, 3), seed=3)
     kinds = [dict(), dict(temperature=1.0, seed=7), dict(logprobs=2, prompt_logprobs=True)]
     alone = [[run(eng, [eng.submit(p, 8, **kind)])[0] for p in short] for kind in kinds]
-    assert all(len(ids) == 1 for ids in launches)
     for kind, want in zip(kinds, alone):
-        launches.clear()
+        eng.timeline.clear()
         got = run(eng, [eng.submit(p, 8, **kind) for p in short])
-        assert [len(ids) for ids in launches] == [4, 1] and len(set(launches[0])) == 4
+        assert list(eng.timeline)[0] == {r.id: 1 for r in got}  # all four in the first step, a page each
         assert [r.tokens for r in got] == [r.tokens for r in want]
         for g, w in zip(got, want):
             for a, b in zip(g.token_logprobs + g.prompt_token_logprobs, w.token_logprobs + w.prompt_token_logprobs):
                 assert a[0] == pytest.approx(b[0], abs=1e-5) and [i for i, _ in a[1]] == [i for i, _ in b[1]]
-    launches.clear()
-    got = run(eng, [eng.submit(p, 8) for p in short[:3]])
-    assert [len(ids) for ids in launches] == [4] and len(set(launches[0])) == 3  # 3 requests, 4 rows
-    assert [r.tokens for r in got] == [r.tokens for r in alone[0][:3]]
     assert eng.compiles_since_warmup == 0
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(slots=5), r"slots=5 must be an int in \[1, max_batch_size=4\]"),
-    (dict(prefill_rows=0), r"prefill_rows=0 must be an int in \[1, slots=4\]"),
-    (dict(prefill_rows=5), r"prefill_rows=5 must be an int in \[1, slots=4\]"),
+    (dict(slots=0), r"slots=0 must be an int >= 1"),
+    (dict(slots=40), r"the largest bucket \(32 tokens, a step's budget\) < slots=40"),
+    (dict(buckets=(32, 16)), r"buckets=\(32, 16\) must be increasing positive ints"),
+    (dict(pages=1), r"pages=1 must be an int >= 2"),
     (dict(max_queue=0), "max_queue=0 must be an int >= 1"),
 ])
 def test_a_bad_engine_argument_is_one_clear_error(kwargs, message):
@@ -125,20 +118,24 @@ def test_a_bad_engine_argument_is_one_clear_error(kwargs, message):
 
 
 def test_a_bf16_engine_compiles_nothing_after_warmup_and_agrees_with_fp32():
-    """bf16 slots beside each other, as a TPU serves by default: no compile after warm-up, bf16 matmuls,
-    and each request's next tokens agree with fp32 Generator's alone, teacher-forced, on at least 95% of
-    the generated positions. Weights of std 0.05: at tiny()'s 0.2 the logits' top two are so often near
-    ties that Hugging Face's own bf16 model agrees with its fp32 on only 94% (measured)."""
+    """bf16 requests beside each other, as a TPU serves by default: no compile after warm-up; each
+    request's tokens are a bf16 model's greedy choices (teacher-forced, `greedy_check`: no clear
+    choice differs, near-ties within 0.05 skipped), and that model's next tokens agree with fp32
+    Generator's alone on at least 95% of the generated positions, with bf16 matmuls. Weights of std
+    0.05: at tiny()'s 0.2 the logits' top two are so often near ties that Hugging Face's own bf16
+    model agrees with its fp32 on only 94% (measured)."""
     hf05, ps = hf_model(get_config("tiny", num_hidden_layers=2, initializer_range=0.05)), prompts()[:4]
     fp32 = Generator(Llama.from_hf(hf05, max_batch_size=1, max_seq_len=MAX_SEQ_LEN), buckets=BUCKETS)
     want = [fp32.generate([p], 12)[0][0] for p in ps]
     assert len({t for w in want for t in w}) > 10, "the model repeats itself: the test proves nothing"
-    eng = Engine(Llama.from_hf(hf05, max_batch_size=4, max_seq_len=MAX_SEQ_LEN, dtype=torch.bfloat16), slots=4,
-                 buckets=BUCKETS)
+    bf16 = functools.partial(Llama.from_hf, hf05, max_seq_len=MAX_SEQ_LEN, dtype=torch.bfloat16)
+    eng = Engine(bf16(max_batch_size=4), slots=4, buckets=BUCKETS)
     eng.warmup()
     reqs = run(eng, [eng.submit(p, 12) for p in ps])
     assert eng.compiles_since_warmup == 0 and all(len(r.tokens) == 12 for r in reqs)
-    scores = [teacher_forced_agreement(fp32.model, eng.model, torch.tensor([p + w]), len(p)) for p, w in zip(ps, want)]
+    alone = bf16(max_batch_size=1).to(eng.model.embed_tokens.weight.device)  # the engine took its model's caches
+    assert all(greedy_check(alone, p, r.tokens, 0.05)[0] == [] for p, r in zip(ps, reqs))
+    scores = [teacher_forced_agreement(fp32.model, alone, torch.tensor([p + w]), len(p)) for p, w in zip(ps, want)]
     agreement = sum(a for a, _ in scores) / len(scores)
     print(f"top-1 agreement {agreement:.1%}")
     assert agreement >= 0.95 and all(dots == {"bf16"} for _, dots in scores)
@@ -154,7 +151,7 @@ def test_a_compile_after_warmup_raises():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt=[]), "prompt 0 is empty"),
-    (dict(prompt=[1] * 130), r"padded to 144 for buckets \(16, 32\)\) \+ max_tokens=8 = 152 cache slots > max_seq_len=128"),
+    (dict(prompt=[1] * 121), r"the longest prompt \(121 tokens\) \+ max_tokens=8 = 129 cache slots > max_seq_len=128"),
     (dict(max_tokens=0), "max_tokens=0 must be an int >= 1"),
     (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
@@ -284,29 +281,70 @@ def test_top_k_1_is_greedy_and_the_engine_rejects_a_top_k_beyond_its_bound():
 
 
 def test_the_engine_runs_its_schedulers_plan_and_a_long_prompt_never_stalls_decoding():
-    """The slots the engine filled at each decode step are those of a pure-Python replay of its
-    scheduler, one-step lag included; a prompt of 3 sections arriving mid-way is prefilled one
-    section per step while the running requests decode at every step."""
-    eng, ps = shared_engine(), prompts()
+    """The requests and pages of each step are those of a pure-Python replay of the engine's
+    scheduler, one-step lag included; a prompt of 80 tokens arriving mid-way is prefilled a chunk
+    per step while the running requests decode at every step."""
+    eng, ps = engine(prefix_caching=False), prompts()  # (a shared engine's cached pages would shorten prefills)
     eng.eos_ids = {expected()[1][5]}  # request 1 ends early, on an EOS its engine learns a step late
     try:
         reqs = [eng.submit(ps[i], 10 + i) for i in range(3)]
         eng.timeline.clear()
         eng.step(), eng.step()
-        reqs.append(eng.submit(ps[0] * 16, 6))  # 80 tokens: sections 16 + 32 + 32
+        reqs.append(eng.submit(ps[0] * 16, 6))  # 80 tokens: chunks of the budget left after the decodes
         run(eng, reqs)
     finally:
         eng.eos_ids = frozenset()
     made = [len(r.tokens) for r in reqs]
     assert reqs[1].finish_reason == "stop" and made[1] < 11
-    work = [(len(r.prompt), r.max_tokens, n) for r, n in zip(reqs, made)]
-    want = replay(Scheduler(4, BUCKETS, MAX_SEQ_LEN), work, arrivals=[0, 0, 0, 2])
-    assert [list(step) for step in eng.timeline] == [[None if i is None else reqs[i].id for i in step]
-                                                      for step in want]
-    for r in reqs:  # from its first decode step to its last, a request is in every step
+    work = [(r.prompt, r.max_tokens, n) for r, n in zip(reqs, made)]
+    pool = PagePool(eng.pool.num_pages, eng.pool.page_size)
+    want = replay(Scheduler(eng.slots, eng.buckets[-1], pool, prefix_caching=False), work, arrivals=[0, 0, 0, 2])
+    assert list(eng.timeline) == [{reqs[i].id: pages for i, pages in step.items()} for step in want]
+    for r in reqs:  # from its first step to its last, a request is in every step
         steps = [k for k, step in enumerate(eng.timeline) if r.id in step]
         assert steps == list(range(steps[0], steps[-1] + 1))
     assert [r.tokens for r in reqs[:1] + reqs[2:3]] == [expected()[0], expected()[2]]
+
+
+def test_a_short_pool_preempts_and_recomputes_without_changing_a_token():
+    """A pool of 6 pages (96 positions) for four requests that need 3 to 4 pages each: the engine
+    preempts the request admitted last whenever a running one needs a page, recomputes it later
+    (its cached pages reused), and every request's greedy and sampled tokens are those it gets alone."""
+    eng, ps = engine(pages=7), prompts()
+    greedy = [eng.submit(p, 10 + i) for i, p in enumerate(ps[1:5], start=1)]
+    sampled = [eng.submit(p, 12, temperature=0.9, seed=i) for i, p in enumerate(ps[1:5])]
+    run(eng, greedy + sampled)
+    m = eng.metrics()
+    assert m["preemptions_total"] > 0 and any(r.preemptions for r in greedy + sampled)
+    assert m["prefix_hits_total"] > 0 and m["pages_used"] == 0
+    assert [r.tokens for r in greedy] == list(expected()[1:5])
+    alone = engine()
+    assert [r.tokens for r in sampled] == [run(alone, [alone.submit(p, 12, temperature=0.9, seed=i)])[0].tokens
+                                           for i, p in enumerate(ps[1:5])]
+    assert eng.compiles_since_warmup == 0
+
+
+def test_a_cached_prefix_is_reused_and_changes_no_token():
+    """A second request with the first's 40-token prompt (plus a turn) finds its two full pages
+    cached and prefills only the rest; greedy and sampled tokens equal those without the cache."""
+    cached, cold, ps = engine(), engine(prefix_caching=False), prompts()
+    system, turn = ps[2][:40], ps[4][:9]
+    for eng in (cached, cold):
+        run(eng, [eng.submit(system + [7], 4)])  # the first turn fills the pages
+    got = run(cached, [cached.submit(system + turn, 10), cached.submit(system + turn, 10, temperature=1.0, seed=3)])
+    want = run(cold, [cold.submit(system + turn, 10), cold.submit(system + turn, 10, temperature=1.0, seed=3)])
+    # the second also finds the page the first filled in the same step (49 tokens: 3 full pages)
+    assert [r.cached_tokens for r in got] == [32, 48] and [r.cached_tokens for r in want] == [0, 0]
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert cached.metrics()["prefix_hits_total"] == 80 and cold.metrics()["prefix_hits_total"] == 0
+
+
+def test_a_request_the_pool_cannot_hold_is_refused_before_any_work():
+    eng = engine(pages=3)  # 2 pages of 16: 32 positions
+    with pytest.raises(ValueError, match=r"a prompt of 20 tokens \+ max_tokens=14 needs 3 pages of 16 positions, "
+                                         r"more than the pool's 2"):
+        eng.submit(prompts()[1], 14)
+    assert eng.room(20) == 13 and run(eng, [eng.submit(prompts()[1], 13)])[0].tokens[:11] == expected()[1]
 
 
 def test_compiled_with_dynamo_it_gives_the_same_tokens_and_compiles_nothing_after_warmup():
@@ -355,14 +393,18 @@ def test_log_probabilities_are_a_log_softmax_of_hugging_faces_logits():
 @pytest.mark.parametrize("runner,compile", [("engine", False), ("engine", True), ("generator", False),
                                             ("generator", True)])
 def test_every_program_writes_the_kv_caches_in_place(runner, compile):
-    """Each program that writes the KV caches aliases them input to output (`hlo.aliased_parameters`):
-    the caches are updated where they are, never copied: lazy tensors because the runner writes the
-    new caches into the old (`copy_`), compiled programs because the caches are donated. Shapes no
-    other test compiles, so every program compiles here."""
+    """Each program that writes the KV caches (the engine's pages, Generator's slots) aliases them
+    input to output (`hlo.aliased_parameters`): the caches are updated where they are, never
+    copied: lazy tensors because the runner writes the new caches into the old (`copy_`), compiled
+    programs because the caches are donated. Shapes no other test compiles, so every program compiles here."""
     model = Llama.from_hf(hf(), max_batch_size=3, max_seq_len=64)
-    layers, cache = len(model.layers), model.layers[0].self_attn.kv_cache.k_cache  # (3, 64, n_kv_heads, head_dim)
-    dtype = {torch.float32: "f32", torch.bfloat16: "bf16"}[cache.dtype]
-    is_cache = re.compile(rf"{dtype}\[\d+,{','.join(map(str, cache.shape[1:]))}\]").fullmatch  # any row count
+    args, layers = model.args, len(model.layers)
+    dtype = {torch.float32: "f32", torch.bfloat16: "bf16"}[model.embed_tokens.weight.dtype]
+    if runner == "engine":  # (num_pages, page_size, 2 * n_kv_heads, head_dim)
+        shape = rf"\d+,16,{2 * args.n_kv_heads},{args.head_dim}"
+    else:  # (any row count, max_seq_len, n_kv_heads, head_dim)
+        shape = rf"\d+,64,{args.n_kv_heads},{args.head_dim}"
+    is_cache = re.compile(rf"{dtype}\[{shape}\]").fullmatch
     with hlo.compiled_hlo() as modules:
         if runner == "engine":
             Engine(model, slots=3, buckets=(8, 16), compile=compile).warmup()
@@ -370,20 +412,20 @@ def test_every_program_writes_the_kv_caches_in_place(runner, compile):
             Generator(model, buckets=(8, 16), compile=compile).generate([[1, 2, 3]], 4)
     writes = [[p for p in hlo.aliased_parameters(m)[0] if is_cache(p)] for m in modules
               if any(map(is_cache, hlo.aliased_parameters(m)[1]))]
-    assert writes and all(len(w) == 2 * layers for w in writes), [len(w) for w in writes]
+    assert writes and all(len(w) == (1 if runner == "engine" else 2) * layers for w in writes), [len(w) for w in writes]
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["lazy", "compiled"])
-def test_decode_steps_allocate_no_cache(compile):
-    """The memory N decode steps use does not grow by a cache per step: each decode program's outputs
-    (XLA's buffer assignment, `hlo.output_bytes`) take less than one layer's K cache, so every cache is
-    written where it is. (A runtime reading cannot show it here: torch_xla reports no memory for the
-    CPU's SPMD device.) A cache of 256 positions, larger than all else a step returns."""
+def test_steps_allocate_no_cache(compile):
+    """The memory N steps use does not grow by a cache per step: each step program's outputs (XLA's
+    buffer assignment, `hlo.output_bytes`) take less than one layer's pages, so every layer's pages
+    are written where they are. (A runtime reading cannot show it here: torch_xla reports no memory
+    for the CPU's SPMD device.) A pool of 64 pages of 16 positions, larger than all else a step returns."""
     model = Llama.from_hf(hf(), max_batch_size=2, max_seq_len=256)
-    cache = model.layers[0].self_attn.kv_cache.k_cache  # (2, 256, n_kv_heads, head_dim)
-    eng = Engine(model, slots=2, buckets=(8,), compile=compile)
+    eng = Engine(model, slots=2, buckets=(8,), compile=compile, pages=64)
+    pages = eng.runner.pages[0]  # (64, 16, 2 * n_kv_heads, head_dim)
     with hlo.compiled_hlo(hlo.BUFFER_ASSIGNMENT) as buffers:
         reqs = run(eng, [eng.submit(p, 40, temperature=1.0, seed=1) for p in prompts((5, 7), seed=4)])
     assert all(len(r.tokens) == 40 for r in reqs)
-    decode = [b for b in buffers if "s64[2,5]" in b]  # the programs that return the slots' state: prefill, decode
-    assert decode and max(map(hlo.output_bytes, decode)) < cache.numel() * cache.element_size()
+    steps = [b for b in buffers if "s64[3]" in b]  # the programs that return the slots' newest tokens: the steps
+    assert steps and max(map(hlo.output_bytes, steps)) < pages.numel() * pages.element_size()

@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerFast
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer
 from llama_xla_helpers import generate
-from llama_xla_helpers.generate import (Generator, generate_text, greedy_check, llama3_chat, load_tokenizer,
-                                        prefill_sections, sample_rows)
+from llama_xla_helpers.generate import (Generator, generate_text, greedy_check, kv_buckets, llama3_chat, load_tokenizer,
+                                        prefill_sections, prefill_shapes, sample_rows)
 from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
 from util import hf_model, teacher_forced_agreement
@@ -67,6 +67,12 @@ def test_prefill_sections():
     default = (128, 256, 384, 512)
     assert prefill_sections(1500, default) == [512, 512, 512]  # 476 tokens fill a 512 bucket, then 2 more
     assert len(prefill_sections(2047, default)) == 4  # the post: "up to 2,047 tokens ... up to 4"
+
+
+def test_kv_buckets_double_up_to_the_cache_and_prefill_shapes_cover_every_section():
+    assert kv_buckets((64, 128, 256, 512), 768) == (64, 128, 256, 512, 768)
+    assert kv_buckets((16, 32), 128) == (16, 32, 64, 128)
+    assert prefill_shapes((16, 32), 128) == [(16, 16), (32, 32), (32, 64), (32, 128)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

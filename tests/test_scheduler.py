@@ -1,72 +1,134 @@
-"""The scheduler, without a device: the budget, chunked prefill beside decoding, kv lengths, slots."""
-import pytest
+"""The scheduler, without a device: the budget, chunked prefill beside decoding, pages (growth,
+preemption and recompute), the prefix cache, slots."""
+import itertools
 
-from llama_xla_helpers.scheduler import Request, Scheduler, kv_buckets, prefill_shapes, replay
-
-BUCKETS, MAX_SEQ_LEN = (16, 32), 128
-
-
-def req(prompt_len, max_tokens):
-    return Request([1] * prompt_len, max_tokens)
+from llama_xla_helpers.kv_pages import PagePool
+from llama_xla_helpers.scheduler import Request, Scheduler, replay
 
 
-def test_kv_buckets_double_up_to_the_cache_and_prefill_shapes_cover_every_section():
-    assert kv_buckets((64, 128, 256, 512), 768) == (64, 128, 256, 512, 768)
-    assert kv_buckets(BUCKETS, MAX_SEQ_LEN) == (16, 32, 64, 128)
-    assert prefill_shapes(BUCKETS, MAX_SEQ_LEN) == [(16, 16), (32, 32), (32, 64), (32, 128)]
-    sched = Scheduler(1, BUCKETS, MAX_SEQ_LEN, budget=32)
-    sched.add(req(100, 2))  # sections 16 + 32 + 32 + 32 = 112
-    shapes = [(n, kv) for _ in range(4) for _, _, n, kv in sched.schedule().prefill]
-    assert shapes == [(16, 16), (32, 64), (32, 128), (32, 128)]  # ends 16, 48, 80, 112, rounded up
-    assert set(shapes) <= set(prefill_shapes(BUCKETS, MAX_SEQ_LEN))
+FRESH = itertools.count(1000)  # token ids no other prompt has: no prefix-cache hits unless a test wants them
 
 
-def test_a_long_prompt_is_prefilled_a_section_per_step_while_the_others_decode():
-    sched = Scheduler(3, BUCKETS, MAX_SEQ_LEN, budget=35)  # one 32-token section + 3 decoded tokens
+def req(prompt, max_tokens):
+    """A request with prompt (a list of ids, or a length: that many fresh ids)."""
+    return Request(list(prompt) if not isinstance(prompt, int) else list(itertools.islice(FRESH, prompt)), max_tokens)
+
+
+def runs(plan):
+    return [(r, start, n) for r, start, n, _ in plan.entries]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
+    sched = Scheduler(slots=3, budget=32, pool=PagePool(64, 16))
     a, b = req(10, 50), req(20, 50)
     sched.add(a), sched.add(b)
     first = sched.schedule()
-    assert [(r, n) for r, _, n, _ in first.prefill] == [(a, 16)]  # b's 32 does not fit after a's 16 + a's token
-    assert first.decode == [a] and first.kv_len == 32  # a decodes at once: position 16 -> kv 32
+    assert runs(first) == [(a, 0, 10), (b, 0, 20)] and first.tokens == 30
+    assert [s for *_, s in first.entries] == [True, True]  # both prompts whole: each samples its first token
     long = req(100, 5)
     sched.add(long)
-    plans = [sched.schedule() for _ in range(5)]
-    assert [[(r, n) for r, _, n, _ in p.prefill] for p in plans] == [
-        [(b, 32)], [(long, 16)], [(long, 32)], [(long, 32)], [(long, 32)]]
-    assert all(a in p.decode and b in p.decode for p in plans)  # never stalled
-    assert long in plans[-1].decode and all(p.tokens <= 35 for p in plans)
-    assert [p.kv_len for p in plans] == [64, 64, 64, 64, 128]  # b at 32 + 2, ..., long at 112 + 1
+    plans = [sched.schedule() for _ in range(4)]
+    assert [runs(p) for p in plans] == [
+        [(a, 10, 1), (b, 20, 1), (long, 0, 30)], [(a, 11, 1), (b, 21, 1), (long, 30, 30)],
+        [(a, 12, 1), (b, 22, 1), (long, 60, 30)], [(a, 13, 1), (b, 23, 1), (long, 90, 10)]]
+    assert [p.entries[-1][3] for p in plans] == [False, False, False, True]  # only its last chunk samples
+    assert all(p.tokens <= 32 for p in plans)
 
 
-def test_a_slot_frees_when_its_last_token_is_asked_for_and_one_request_prefills_at_a_time():
-    sched = Scheduler(1, BUCKETS, MAX_SEQ_LEN, budget=100)
-    a, b = req(5, 2), req(5, 3)
-    sched.add(a), sched.add(b)
-    p1 = sched.schedule()
-    assert [r for r, *_ in p1.prefill] == [a] and p1.decode == [a]  # both of a's tokens asked for
-    p2 = sched.schedule()  # a's slot is already free: b takes it before a's tokens are read
-    assert [r for r, *_ in p2.prefill] == [b] and b.slot == 0
-    sched.finish(a)  # a is read late: its slot is b's now and stays b's
-    assert sched.running == [b]
+def test_pages_grow_with_the_positions_and_free_when_the_last_token_is_asked_for():
+    pool = PagePool(16, 4)
+    sched = Scheduler(slots=2, budget=64, pool=pool)
+    a = req(6, 5)
+    sched.add(a)
+    held = []
+    while a.dispatched < a.max_tokens:
+        sched.schedule()
+        held.append(len(a.pages))
+    # positions written: 6, 7, 8, 9, 10 (the 5th token is asked for and never written)
+    assert held == [2, 2, 2, 3, 3] and sched.running == [None, None]
+    assert pool.used_pages == 0  # back in the pool, and its full page of known tokens cached (positions 0-3:
+    assert len(pool.cached) == 1  # no token was read back here, so positions 4-7 are not known)
 
 
-def test_finish_frees_a_slot_or_leaves_the_queue():
-    sched = Scheduler(1, BUCKETS, MAX_SEQ_LEN)
+def test_a_short_pool_preempts_the_last_admitted_which_is_recomputed_from_its_cached_pages():
+    pool = PagePool(7, 4)  # 6 usable pages: 24 positions
+    sched = Scheduler(slots=2, budget=64, pool=pool)
+    a, b = req(range(100, 108), 30), req(range(200, 208), 30)
+    timeline = replay(sched, [(a.prompt, 12, 12), (b.prompt, 12, 12)])
+    # both fit at first (2 + 2 pages + growth); when the pool runs short, b (admitted last) is preempted
+    assert sched.preemptions >= 1
+    preempted_at = next(i for i, step in enumerate(timeline) if 1 not in step and i > 0)
+    assert 0 in timeline[preempted_at]
+    assert all(sum(step.values()) <= 6 for step in timeline)  # never more pages than the pool has
+    assert sched.hits > 0  # its recompute found its own full pages still cached
+    assert not sched.busy() and pool.used_pages == 0
+
+
+def test_nothing_is_admitted_in_a_step_that_preempts_and_a_preempted_request_waits_first():
+    pool = PagePool(5, 2)  # 4 pages: 8 positions
+    sched = Scheduler(slots=3, budget=16, pool=pool)
+    a, b, c = req(3, 10), req(3, 10), req(1, 10)
+    for r in (a, b):
+        sched.add(r)
+    sched.schedule()  # a: 2 pages, b: 2 pages
+    sched.add(c)
+    plan = sched.schedule()  # a writes position 3 (its page 2 has room), b position 3: no page needed
+    assert runs(plan) == [(a, 3, 1), (b, 3, 1)] and list(sched.waiting) == [c]  # c: no page left
+    plan = sched.schedule()  # a needs a third page: b is preempted
+    assert plan.preempted == [b] and runs(plan) == [(a, 4, 1)]
+    assert list(sched.waiting) == [b, c] and b.pages == [] and b.computed == 0 and b.slot is not None
+    b.tokens = [5, 6]  # the tokens it made, read back by the engine (one step late)
+    sched.finish(a)
+    plan = sched.schedule()
+    assert runs(plan)[0][0] is b  # the preempted request goes first
+    assert b.dispatched == 3 and b.length == 6  # its prompt and both tokens, its third token asked for now
+
+
+def test_a_cached_prefix_is_reused_and_the_last_token_always_runs():
+    pool = PagePool(32, 4)
+    sched = Scheduler(slots=4, budget=64, pool=pool)
+    system = list(range(10, 22))  # 12 tokens: 3 full pages
+    a = req(system + [1, 2], 1)
+    sched.add(a)
+    sched.schedule()  # a's one token asked for: it is released, its pages cached
+    assert a not in sched.order and pool.used_pages == 0 and len(pool.cached) == 3
+    b, c = req(system + [3, 4, 5], 2), req(system, 2)
+    sched.add(b), sched.add(c)
+    plan = sched.schedule()
+    assert runs(plan) == [(b, 12, 3), (c, 8, 4)]  # c's whole prompt is cached, but its last page runs again
+    assert (b.cached_tokens, c.cached_tokens) == (12, 8)
+    assert b.pages[:3] == c.pages[:2] + [b.pages[2]] and pool.refs[b.pages[0]] == 2
+    assert sched.queries == 14 + 15 + 12 and sched.hits == 20
+
+
+def test_requests_admitted_in_one_step_share_the_pages_an_earlier_one_fills():
+    pool = PagePool(32, 4)
+    sched = Scheduler(slots=4, budget=64, pool=pool)
+    prompt = list(range(30, 39))  # 2 full pages and one token
+    reqs = [req(prompt, 3) for _ in range(3)]  # n = 3: the same prompt three times
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert runs(plan) == [(reqs[0], 0, 9), (reqs[1], 8, 1), (reqs[2], 8, 1)]
+    assert reqs[1].pages[:2] == reqs[2].pages[:2] == reqs[0].pages[:2] and pool.used_pages == 2 + 3
+
+
+def test_a_finished_or_cancelled_request_frees_its_slot_and_pages():
+    pool = PagePool(8, 4)
+    sched = Scheduler(slots=1, budget=8, pool=pool)
     a, b = req(5, 50), req(5, 50)
     sched.add(a), sched.add(b)
     sched.schedule()
     sched.finish(b)  # cancelled while waiting
     assert list(sched.waiting) == [] and sched.running == [a]
     sched.finish(a)
-    assert sched.running == [None] and not sched.busy()
+    assert sched.running == [None] and pool.used_pages == 0 and not sched.busy()
 
 
-def test_budget_must_be_positive():
-    with pytest.raises(ValueError, match="budget=-1 must be >= 1"):
-        Scheduler(1, BUCKETS, MAX_SEQ_LEN, budget=-1)
-
-
-def test_replay_learns_each_end_one_step_late():
-    # (prompt length, max_tokens, tokens made): the second ends early (EOS), the others at max_tokens.
-    timeline = replay(Scheduler(2, BUCKETS, MAX_SEQ_LEN), [(5, 3, 3), (5, 9, 2), (5, 2, 2)])
-    assert timeline == [[0, 1], [0, 1], [2, None]]  # 1 ended at its 2nd token, known after its 3rd was asked for
+def test_replay_counts_each_requests_pages_per_step():
+    sched = Scheduler(slots=2, budget=8, pool=PagePool(16, 4))
+    timeline = replay(sched, [(6, 3, 3), (3, 2, 1), (2, 2, 2)], arrivals=[0, 0, 1])
+    # step 0: 6 + 2 of the second's 3 prompt tokens (budget 8); the third waits for a slot
+    assert timeline[0] == {0: 2, 1: 1}
+    assert timeline[1] == {0: 2, 1: 1}
+    assert 2 in timeline[3] and 1 not in timeline[3]  # the second ended on its first token (an EOS)

@@ -40,7 +40,6 @@ from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer
 from llama_xla_helpers.engine import Engine
 from llama_xla_helpers.generate import Generator, llama3_chat
-from llama_xla_helpers.scheduler import prefill_sections
 from llama_xla_helpers.mesh import make_mesh, mesh_shape
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.train import build_model
@@ -303,7 +302,7 @@ BAD = [
     (dict(top_p=1.5), 400, "top_p=1.5 must be in (0, 1]"),
     (dict(prompt=[300]), 400, "prompt token id 300 is outside the vocabulary [0, 264)"),
     (dict(prompt="x" * 200), 400, "cache slots > max_seq_len=128"),
-    (dict(max_tokens=121), 400, "cache slots > max_seq_len=128"),
+    (dict(max_tokens=128), 400, "cache slots > max_seq_len=128"),
     (dict(max_tokens="many"), 400, "max_tokens: Input should be a valid integer"),
     (dict(n=17), 400, "n: Input should be less than or equal to 16"),
     (dict(top_k=65), 400, "top_k: Input should be less than or equal to 64"),
@@ -374,12 +373,27 @@ def test_logprobs_echo_n_and_token_id_prompts(server, expected, log_softmax):
 
 
 @pytest.mark.child_process
-def test_a_chat_without_max_tokens_may_use_the_whole_room_and_reports_logprobs(server, expected):
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_text(server):
+    prompt = "Exceptions are raised when a prompt repeats itself for the prefix cache"
+    n = len(TOK.encode(prompt))
+    first, again = [post(server.url, "/v1/completions", dict(prompt=prompt, max_tokens=6, temperature=0))[1]
+                    for _ in range(2)]
+    assert n > 16 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16  # full pages of 16
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+@pytest.mark.child_process
+def test_a_chat_without_max_tokens_may_use_the_whole_room_and_reports_logprobs(server, model_dir):
     messages = [{"role": "user", "content": "Why"}]
     prompt = protocol.chat_prompt(TOK, messages)
-    room = MAX_SEQ_LEN - sum(prefill_sections(len(TOK.encode(prompt)), BUCKETS))
+    ids = TOK.encode(prompt)
+    room = MAX_SEQ_LEN - len(ids)  # no padding: the whole rest of the context
     chat = post(server.url, "/v1/chat/completions", dict(messages=messages, temperature=0, logprobs=True, top_logprobs=2))[1]
-    text, n, _ = expected(prompt, room)
+    alone = Generator(Llama.from_pretrained(model_dir, max_batch_size=1, max_seq_len=MAX_SEQ_LEN),
+                      buckets=(len(ids),))  # a bucket of the prompt's length: Generator's padding leaves the room whole
+    [tokens], _ = alone.generate([ids], room, eos_id=TOK.eos_id)
+    text, n = TOK.decode(tokens), len(tokens)
     assert (chat["choices"][0]["message"]["content"], chat["usage"]["completion_tokens"]) == (text, n)
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == n and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
@@ -700,10 +714,12 @@ def test_a_bf16_server_serves_its_engines_tokens_close_to_fp32(tmp_path, monkeyp
     assert texts == [TOK.decode(t) for t in served] and engine.metrics()["compiles_since_warmup"] == 0
 
     fp32 = Generator(Llama.from_pretrained(folder, max_batch_size=1, max_seq_len=MAX_SEQ_LEN), buckets=BUCKETS)
+    # the engine's weights, with a cache of their own (the engine replaced its model's with pages)
+    bf16 = Llama.from_pretrained(folder, max_batch_size=1, max_seq_len=MAX_SEQ_LEN, dtype="bf16").to(engine.runner.device)
     scores = []
     for p in prompts:
         [tokens], _ = fp32.generate([TOK.encode(p)], 40)
-        scores.append(teacher_forced_agreement(fp32.model, engine.model, torch.tensor([TOK.encode(p) + tokens]),
+        scores.append(teacher_forced_agreement(fp32.model, bf16, torch.tensor([TOK.encode(p) + tokens]),
                                                len(TOK.encode(p))))
     agreement = sum(a for a, _ in scores) / len(scores)
     print(f"top-1 agreement {agreement:.1%}")
@@ -745,10 +761,11 @@ def test_a_chat_template_that_fails_is_a_json_400_and_anything_unexpected_a_json
     (["--port", "70000"], "'70000' is not an int in [0, 65535]"),
     (["--quantize", "int3"], "argument --quantize: invalid choice: 'int3'"),
     (["--max-queue", "0"], "argument --max-queue: '0' is not an int >= 1"),
-    (["--buckets", "8,x"], "'8,x' is not a list of ints like 128,256,512"),
+    (["--buckets", "8,x"], "'8,x' is not a list of ints like 16,64,256"),
     (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     (["--mesh", "0,8"], "argument --mesh: (0, 8) must be two ints >= 1"),
-    (["--buckets", "8,127", "--max-seq-len", "128"], "largest bucket 127 + 2 tokens > the model's max_seq_len=128"),
+    (["--buckets", "2", "--slots", "4"], "the largest bucket (2 tokens, a step's budget) < slots=4"),
+    (["--pages", "1"], "argument --pages: '1' is not an int >= 2"),
     (["--buckets", "32,8"], "buckets=(32, 8) must be increasing positive ints"),
     (["--max-seq-len", "4096"], "max_seq_len=4096 > the model's max_position_embeddings=2048"),
     (["--drain-timeout", "-1"], "argument --drain-timeout: '-1' is not a number >= 0"),

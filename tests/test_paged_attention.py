@@ -1,0 +1,163 @@
+"""Ragged attention over a paged KV cache: the step's layout, the page writes, the gather path
+against torch_xla's reference for its TPU kernel, and the kernel's call on a faked TPU."""
+import math
+import random
+
+import pytest
+import torch
+import torch_xla
+from torch_xla.experimental.custom_kernel import ragged_paged_attention
+
+from llama_xla_helpers import attention
+from llama_xla_helpers.attention import (RaggedBatch, gather_attention, kernel_fits, ragged_attention, ragged_batch,
+                                         write_pages)
+from llama_xla_helpers.kv_pages import pages_for
+from llama_xla_helpers.mesh import make_mesh
+from llama_xla_helpers.runner import ragged_layout
+
+
+def random_step(seed, heads=4, kv_heads=2, head_dim=8, page_size=4, num_pages=40, seqs=5, tokens=32,
+                dtype=torch.float32):
+    """A random ragged step: up to `seqs` sequences, each with keys already in its pages and new
+    tokens (a decode, or a prompt chunk) on a flat axis of `tokens`. Returns q, pages, the batch
+    (host tensors) and the runs."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    free = list(range(1, num_pages))
+    rng.shuffle(free)
+    runs, left = [], tokens
+    for _ in range(rng.randint(1, seqs)):
+        n = min(left, rng.choice([1, 1, rng.randint(1, 20)]))
+        if n == 0:
+            break
+        start = rng.randint(0, 24)
+        runs.append(([free.pop() for _ in range(pages_for(start + n, page_size))], start, n))
+        left -= n
+    p = max(len(table) for table, _, _ in runs)
+    batch = ragged_batch(ragged_layout(runs, page_size, tokens, seqs, p))
+    q = torch.randn(tokens, heads, head_dim, dtype=dtype)
+    pages = torch.randn(num_pages, page_size, 2 * kv_heads, head_dim, dtype=dtype)
+    return q, pages, batch, runs
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("tokens", [4, 32])  # a decode step's one-token rows; blocks of QUERY_BLOCK
+def test_the_gather_path_equals_the_kernels_reference(seed, tokens):
+    q, pages, batch, runs = random_step(seed, tokens=tokens)
+    used = int(batch.cu_q_lens[-1])
+    scale = 1 / math.sqrt(q.shape[-1])
+    ours = gather_attention(q, pages, batch, scale)
+    ref = ragged_paged_attention(q, pages, batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs,
+                                 sm_scale=scale, use_kernel=False)  # torch_xla's PyTorch reference (needs JAX)
+    assert ours.shape == q.shape and ref.shape[0] == used
+    torch.testing.assert_close(ours[:used], ref, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(ours).all()  # padding tokens read a real key: finite, so nothing NaN reaches a page
+
+
+def test_the_gather_path_on_the_xla_device_and_in_bf16():
+    q, pages, batch, runs = random_step(7, tokens=32)
+    used, scale = int(batch.cu_q_lens[-1]), 1 / math.sqrt(q.shape[-1])
+    want = gather_attention(q, pages, batch, scale)[:used]
+    dev = torch_xla.device()
+    on_xla = gather_attention(q.to(dev), pages.to(dev), RaggedBatch(*(t.to(dev) for t in batch)), scale)
+    torch.testing.assert_close(on_xla.cpu()[:used], want, rtol=1e-5, atol=1e-5)
+    bf16 = gather_attention(q.bfloat16(), pages.bfloat16(), batch, scale)[:used]
+    torch.testing.assert_close(bf16.float(), want, rtol=0.05, atol=0.05)
+
+
+def test_the_layout_puts_each_token_in_its_sequences_pages():
+    runs = [([3, 9], 5, 1), ([4, 2, 7], 0, 11)]  # a decode at position 5; a prompt chunk of 11
+    out = ragged_layout(runs, page_size=4, tokens=16, seqs=3, pages=3)
+    assert out["kv_lens"] == [6, 11, 0] and out["cu_q_lens"] == [0, 1, 12, 12] and out["num_seqs"] == [2]
+    assert out["page_indices"] == [[3, 9, 0], [4, 2, 7], [0, 0, 0]]
+    assert out["positions"][:12] == [5] + list(range(11))
+    assert out["slots"][:3] == [9 * 4 + 1, 4 * 4 + 0, 4 * 4 + 1] and out["slots"][11] == 7 * 4 + 2
+    assert out["slots"][12:] == [0] * 4  # padding tokens write page 0, which no request holds
+    # 16 tokens > 3 sequences: blocks of 16 queries, 3 + 16 // 16 = 4 rows
+    assert len(out["rows"]) == 4 and out["row_seq"][:2] == [0, 1]
+    assert out["rows"][1][:11] == list(range(1, 12)) and out["unrow"][:12] == [0] + list(range(16, 27))
+    with pytest.raises(ValueError, match="17 tokens of 2 sequences do not fit a step of 16 tokens"):
+        ragged_layout([([1, 2], 0, 8), ([3, 4, 5], 0, 9)], 4, 16, 3, 3)
+
+
+def test_keys_and_values_are_written_interleaved_on_the_head_axis():
+    pages = torch.zeros(3, 4, 4, 2)  # 3 pages of 4 positions, 2 KV heads of head_dim 2
+    batch = ragged_batch(ragged_layout([([2], 1, 2)], 4, 2, 1, 1))
+    k, v = torch.arange(8.).view(2, 2, 2) + 1, -torch.arange(8.).view(2, 2, 2) - 1  # (T=2, g=2, head_dim=2)
+    out = write_pages(pages, batch, k, v)  # positions 1 and 2 of the sequence: rows 1 and 2 of page 2
+    assert torch.equal(out[2, 1, 0::2], k[0]) and torch.equal(out[2, 1, 1::2], v[0])  # K of head h at 2h, V at 2h + 1
+    assert torch.equal(out[2, 2, 0::2], k[1]) and torch.equal(out[2, 2, 1::2], v[1])
+    assert out[:2].abs().sum() == 0 and out[2, 0].abs().sum() == 0 and out[2, 3].abs().sum() == 0
+
+
+def test_the_kernels_constraints():
+    assert kernel_fits(8, 128, torch.bfloat16) and kernel_fits(1, 128, torch.bfloat16)  # Llama 3 8B; 8 KV heads over 8 chips
+    assert kernel_fits(2, 128, torch.float32) and not kernel_fits(3, 128, torch.float32)
+    assert not kernel_fits(8, 64, torch.bfloat16)  # head_dim 64: the gather path
+
+
+@pytest.fixture
+def fake_tpu(monkeypatch):
+    """attention.on_tpu() True, and torch_xla's kernel replaced by a recorder returning the reference's
+    shape (the kernel itself runs only on a TPU)."""
+    import torch_xla.experimental.custom_kernel as ck
+    calls = []
+
+    def kernel(q, pages, *meta, **kwargs):
+        calls.append((q, pages, meta, kwargs))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(attention, "on_tpu", lambda: True)
+    monkeypatch.setattr(ck, "ragged_paged_attention", kernel)
+    return calls
+
+
+def test_on_a_tpu_the_kernel_gets_the_layout_and_elsewhere_the_gather_path_runs(fake_tpu):
+    q, pages, batch, _ = random_step(3, heads=8, kv_heads=2, head_dim=128, tokens=8)
+    dev = torch_xla.device()
+    q, pages, batch = q.to(dev), pages.to(dev), RaggedBatch(*(t.to(dev) for t in batch))
+    out = ragged_attention(q, pages, batch, 0.125)
+    (kq, kpages, meta, kwargs), = fake_tpu
+    assert kq is q and kpages is pages and kwargs == {"sm_scale": 0.125}
+    assert [m is t for m, t in zip(meta, batch[:4])] == [True] * 4 and all(m.dtype == torch.int32 for m in meta)  # the kernel's JAX side takes int32
+    used = int(batch.cu_q_lens[-1].cpu())
+    assert out.shape == q.shape and out.cpu()[used:].abs().sum() == 0
+    fake_tpu.clear()
+    ragged_attention(q[:, :, :64].contiguous(), pages[..., :64].contiguous(), batch, 0.125)  # head_dim 64
+    assert fake_tpu == []
+
+
+def test_on_a_tensor_parallel_tpu_mesh_each_device_runs_the_kernel_on_its_heads(fake_tpu):
+    mesh = make_mesh((1, torch_xla.runtime.global_runtime_device_count()))
+    ways = mesh.shape()["model"]
+    q, pages, batch, _ = random_step(4, heads=4 * ways, kv_heads=2 * ways, head_dim=128, tokens=8)
+    dev = torch_xla.device()
+    q, pages, batch = q.to(dev), pages.to(dev), RaggedBatch(*(t.to(dev) for t in batch))
+    out = ragged_attention(q, pages, batch, 0.125, mesh)
+    (kq, kpages, meta, _), = fake_tpu
+    assert kq.shape == (8, 4, 128) and kpages.shape[2] == 4  # this device's 4 query heads and 2 KV heads (K and V)
+    assert [m.shape for m in meta] == [t.shape for t in batch[:4]]  # the layout whole on every device
+    assert out.shape == q.shape
+
+
+def test_per_device_runs_a_function_on_each_devices_heads():
+    """The wrapper the kernel runs in on a tensor-parallel mesh, tested with the gather path inside:
+    each device attends with its own query and KV heads, and the result equals the unsharded one."""
+    import torch_xla.distributed.spmd as xs
+    mesh = make_mesh((1, torch_xla.runtime.global_runtime_device_count()))
+    ways = mesh.shape()["model"]
+    q, pages, batch, _ = random_step(5, heads=4 * ways, kv_heads=2 * ways, tokens=32)
+    want = gather_attention(q, pages, batch, 0.3)
+    dev = torch_xla.device()
+    q, pages = q.to(dev), pages.to(dev)
+    xs.mark_sharding(q, mesh, (None, "model", None))
+    xs.mark_sharding(pages, mesh, (None, None, "model", None))
+    meta = RaggedBatch(*(t.to(dev) for t in batch))
+
+    def local(q, pages, *tensors):
+        assert q.shape[1] == 4 and pages.shape[2] == 4  # this device's heads
+        return gather_attention(q, pages, RaggedBatch(*tensors), 0.3)
+
+    specs = ((None, "model", None), (None, None, "model", None)) + tuple((None,) * t.dim() for t in meta)
+    out = attention.per_device(local, mesh, specs, (None, "model", None))(q, pages, *meta)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
