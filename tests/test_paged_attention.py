@@ -127,6 +127,7 @@ def test_on_a_tpu_the_kernel_gets_the_layout_and_elsewhere_the_gather_path_runs(
     assert fake_tpu == []
 
 
+@pytest.mark.devices
 def test_on_a_tensor_parallel_tpu_mesh_each_device_runs_the_kernel_on_its_heads(fake_tpu):
     mesh = make_mesh((1, torch_xla.runtime.global_runtime_device_count()))
     ways = mesh.shape()["model"]
@@ -140,6 +141,7 @@ def test_on_a_tensor_parallel_tpu_mesh_each_device_runs_the_kernel_on_its_heads(
     assert out.shape == q.shape
 
 
+@pytest.mark.devices
 def test_per_device_runs_a_function_on_each_devices_heads():
     """The wrapper the kernel runs in on a tensor-parallel mesh, tested with the gather path inside:
     each device attends with its own query and KV heads, and the result equals the unsharded one."""
