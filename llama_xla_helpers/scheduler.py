@@ -134,9 +134,10 @@ class Scheduler:
         """Register req's full pages whose tokens are known and computed."""
         ps = self.pool.page_size
         req.hashes = page_hashes(req.known, ps, req.hashes)
-        for i in range(req.registered, min(len(req.hashes), req.computed // ps)):
+        full = min(len(req.hashes), req.computed // ps)
+        for i in range(req.registered, full):
             self.pool.register(req.pages[i], req.hashes[i])
-        req.registered = max(req.registered, min(len(req.hashes), req.computed // ps))
+        req.registered = max(req.registered, full)
 
     def preempt(self, req):
         """Back to the front of the queue, its pages freed; it will prefill its tokens again."""
