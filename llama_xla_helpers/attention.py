@@ -271,9 +271,16 @@ def ragged_batch(layout, put=lambda t: t):
 def write_pages(pages, batch, k, v):
     """pages (num_pages, page_size, 2 * g, head_dim) with this step's keys and values k, v (T, g,
     head_dim) written at `batch.slots`, interleaved on the head axis as the kernel reads them (K of
-    head h at 2h, V at 2h + 1). Out of place: the runner donates `pages`, so XLA writes in place."""
+    head h at 2h, V at 2h + 1). Out of place: the runner donates `pages`, so XLA writes in place.
+
+    A step of one token writes a second row, zeros into slot 0 (page 0, the padding's): XLA turns a
+    one-row write into a dynamic-update-slice guarded by a bounds check, which copies the whole
+    pool first (measured: a 97-page pool's step 4x a 10-page one's, tests/test_engine.py)."""
     kv = torch.stack([k, v], dim=2).flatten(1, 2)  # (T, 2 * g, head_dim): k0, v0, k1, v1, ...
-    return pages.flatten(0, 1).index_copy(0, batch.slots, kv).view(pages.shape)
+    slots = batch.slots  # (T,)
+    if kv.shape[0] == 1:
+        kv, slots = torch.cat([kv, torch.zeros_like(kv)]), torch.cat([slots, torch.zeros_like(slots)])
+    return pages.flatten(0, 1).index_copy(0, slots, kv).view(pages.shape)
 
 
 def gather_attention(q, pages, batch, scale):

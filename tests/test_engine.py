@@ -396,7 +396,10 @@ def test_every_program_writes_the_kv_caches_in_place(runner, compile):
     """Each program that writes the KV caches (the engine's pages, Generator's slots) aliases them
     input to output (`hlo.aliased_parameters`): the caches are updated where they are, never
     copied: lazy tensors because the runner writes the new caches into the old (`copy_`), compiled
-    programs because the caches are donated. Shapes no other test compiles, so every program compiles here."""
+    programs because the caches are donated. And no program copies a cache before writing it (a
+    one-token write, which XLA makes a bounds-checked dynamic-update-slice, did: the engine's
+    one-token bucket, Generator's batch-1 decode). Shapes no other test compiles, so every program
+    compiles here."""
     model = Llama.from_hf(hf(), max_batch_size=3, max_seq_len=64)
     args, layers = model.args, len(model.layers)
     dtype = {torch.float32: "f32", torch.bfloat16: "bf16"}[model.embed_tokens.weight.dtype]
@@ -407,12 +410,14 @@ def test_every_program_writes_the_kv_caches_in_place(runner, compile):
     is_cache = re.compile(rf"{dtype}\[{shape}\]").fullmatch
     with hlo.compiled_hlo() as modules:
         if runner == "engine":
-            Engine(model, slots=3, buckets=(8, 16), compile=compile).warmup()
+            Engine(model, slots=3, buckets=(1, 8, 16), compile=compile).warmup()
         else:
             Generator(model, buckets=(8, 16), compile=compile).generate([[1, 2, 3]], 4)
     writes = [[p for p in hlo.aliased_parameters(m)[0] if is_cache(p)] for m in modules
               if any(map(is_cache, hlo.aliased_parameters(m)[1]))]
     assert writes and all(len(w) == (1 if runner == "engine" else 2) * layers for w in writes), [len(w) for w in writes]
+    copies = [line for m in modules for line in hlo.instructions(m, "copy") if is_cache(line.split(" = ")[1].split("{")[0])]
+    assert not copies, copies[:2]
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["lazy", "compiled"])
