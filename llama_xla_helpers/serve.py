@@ -328,7 +328,7 @@ def parse_args(argv=None):
                                                                f"config's max_position_embeddings, at most {MAX_SEQ_LEN})")
     parser.add_argument("--pages", type=bounded(2), help="KV cache pages in the pool (default: --slots whole contexts)")
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the cached pages of prompts that start alike (default: on)")
+                        help="reuse the cached pages of prompts that start alike (default: True)")
     parser.add_argument("--max-queue", type=bounded(1), default=64, help="requests waiting for a slot before 429")
     parser.add_argument("--mesh", type=mesh_arg, help="data,model devices, e.g. 1,8 (default: picked for the devices "
                                                       "and the model's heads)")
