@@ -396,9 +396,9 @@ def test_every_program_writes_the_kv_caches_in_place(runner, compile):
     """Each program that writes the KV caches (the engine's pages, Generator's slots) aliases them
     input to output (`hlo.aliased_parameters`): the caches are updated where they are, never
     copied: lazy tensors because the runner writes the new caches into the old (`copy_`), compiled
-    programs because the caches are donated. And no program copies a cache before writing it (a
-    one-token write, which XLA makes a bounds-checked dynamic-update-slice, did: the engine's
-    one-token bucket, Generator's batch-1 decode). Shapes no other test compiles, so every program
+    programs because the caches are donated. And no program copies a cache before writing it (the
+    engine's one-token step did: XLA makes a one-row write a bounds-checked dynamic-update-slice;
+    Generator's batch-1 decode is checked too). Shapes no other test compiles, so every program
     compiles here."""
     model = Llama.from_hf(hf(), max_batch_size=3, max_seq_len=64)
     args, layers = model.args, len(model.layers)
