@@ -52,6 +52,7 @@ from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDS
 from transformers import LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
+from . import lora
 from .model import safetensors_files
 
 META = "meta.json"
@@ -129,7 +130,9 @@ def _quiet():
 
 
 def _state(model, optimizer):
-    state = {"model": model.state_dict()}
+    """What a checkpoint holds: the model's state dict (or `model` itself, a dict of tensors such as
+    lora.adapter_state's: a LoRA run saves only its adapters), and the optimizer's."""
+    state = {"model": model if isinstance(model, dict) else model.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     return state
@@ -311,7 +314,7 @@ def _remove(path):
 
 def save(directory, step, model, optimizer=None, extra=None, keep=3):
     """Checkpoint `model` (and `optimizer`) at `step` into directory/step_{step:08d}/; returns that
-    Path (a string for a URL).
+    Path (a string for a URL). `model`: a module, or a dict of its tensors (`load` takes the same).
 
     `extra`: a JSON-able dict stored in meta.json (data position, seed, config, ...).
     Every process of a pod calls this; each then checks it sees the checkpoint (a ValueError on
@@ -566,9 +569,11 @@ def export_hf(model, out_dir, dtype=None):
 
     Each weight is gathered to the CPU, cast to `dtype` if given (torch.float32: the same folder
     whatever the run trained in); process 0 writes. Load it with `load_hf` or from_pretrained.
+    A model with LoRA adapters is written merged (`lora.merged_state`): a plain Llama.
     """
     torch_xla.sync()
-    weights = {n: t.cpu().to(dtype or t.dtype) for n, t in model.state_dict().items()}
+    state = lora.merged_state(model) if lora.config_of(model) else model.state_dict()
+    weights = {n: t.cpu().to(dtype or t.dtype) for n, t in state.items()}
     if xr.process_index() == 0:
         with _no_progress_bar():
             model.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)

@@ -376,7 +376,7 @@ def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attentio
 
 
 def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", optimizer="adamw", remat=False, *,
-                  attention="eager", master_weights=True, block=None):
+                  attention="eager", master_weights=True, block=None, lora=None):
     """Training memory plan per chip: parameters, gradients, optimizer state and activations, their
     total, and whether it fits in the HBM of each TPU generation in HBM_BYTES (a TrainingPlan).
 
@@ -388,7 +388,7 @@ def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", op
     scores), "blockwise" (the loop a CPU trains with; block: its tokens per block, default
     attention.BLOCK) or "flash" (torch_xla's kernel, what a TPU trains with; MaxText's and
     torchprime's published runs use such kernels); master_weights: the optimizers' fp32 copy of
-    bf16 parameters (on by default, as in optim).
+    bf16 parameters (on by default, as in optim); lora: a lora.LoraConfig, for LoRA fine-tuning.
 
     Parameters: each tensor's shard, split as sharding.param_spec splits it on this mesh (rounded
     up per dim as shard_shape reads it). Gradients: one per parameter, its dtype and split.
@@ -404,6 +404,11 @@ def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", op
     batch holds) and their gradients before the reduce-scatter, for the larger of a decoder layer
     and the lm_head; the XLA schedule may hold more than one layer's (prefetch).
     total = parameters + gradients + optimizer state + activations + gathered.
+
+    LoRA (`lora.add`): every weight frozen, in `dtype` (the targets in int8 with lora.int8: a byte
+    per weight and a scale per row); gradients and optimizer state for the adapters only, A
+    (rank, in) with spec (None, in's) and B (out, rank) with (out's, None). Activations as for full
+    training (the adapters' rank-r ones are small); gathered: a layer's weights without gradients.
     """
     from . import sharding
 
@@ -431,12 +436,8 @@ def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", op
                                  f"splits it in Table 2; use a mesh whose 'model' axis has size "
                                  f"{sharding.sizes_that_fit(size, mesh)}")
     p = TRAIN_DTYPE_BYTES[dtype]
-    params = state = 0
-    for name, shape in _param_shapes(config):
-        spec = sharding.param_spec(name, shape, mesh, strategy)
-        sharding.check_divisible(name, shape, spec, mesh)  # shard_params' check: a ValueError naming the fix
-        n = _shard_elements(shape, spec, mesh)
-        params += n * p
+
+    def optimizer_state(shape, spec, n):  # fp32 bytes per chip of one trained tensor's state
         if optimizer == "adamw":
             moments = 2 * (n if len(shape) > 1 or strategy != "2d" else _shard_elements(shape, ("model",), mesh))
         elif len(shape) >= 2:  # Adafactor: row and column second moments
@@ -445,7 +446,25 @@ def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", op
         else:
             moments = _shard_elements(shape, ("model",) if strategy == "2d" else spec, mesh)
         master = n if master_weights and p != 4 else 0
-        state += 4 * (moments + master) + 4  # + the 0-d fp32 step
+        return 4 * (moments + master) + 4  # + the 0-d fp32 step
+
+    params = grads = state = frozen = 0  # frozen: LoRA's base bytes per chip
+    for name, shape in _param_shapes(config):
+        spec = sharding.param_spec(name, shape, mesh, strategy)
+        sharding.check_divisible(name, shape, spec, mesh)  # shard_params' check: a ValueError naming the fix
+        n = _shard_elements(shape, spec, mesh)
+        target = lora is not None and len(shape) == 2 and name.rsplit(".", 2)[-2] in lora.targets
+        if lora is None:
+            params, grads, state = params + n * p, grads + n * p, state + optimizer_state(shape, spec, n)
+        elif target and lora.int8:  # int8 codes, and a scale per row in dtype
+            frozen += n + _shard_elements(shape[:1], spec[:1], mesh) * p
+        else:
+            frozen += n * p
+        if target:  # the adapters A (rank, in) and B (out, rank)
+            for a_shape, a_spec in (((lora.rank, shape[1]), (None, spec[1])), ((shape[0], lora.rank), (spec[0], None))):
+                k = _shard_elements(a_shape, a_spec, mesh)
+                params, grads, state = params + k * p, grads + k * p, state + optimizer_state(a_shape, a_spec, k)
+    params += frozen
     acts = activation_bytes(config, batch, seq_len, dtype, remat, attention, data=data,
                             model=model if strategy == "2d" else 1, block=block)
     # Gathered weights: XLA all-gathers a weight over the axes its matmul cannot use (FSDP: every axis; 2D:
@@ -455,10 +474,11 @@ def plan_training(config, mesh_shape, strategy, batch, seq_len, dtype="bf16", op
     layer = sum(math.prod(v) for n, v in shapes.items() if n.startswith("model.layers.0.") and len(v) > 1)
     head = math.prod(shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"]))
     gathers = data > 1 if strategy == "2d" else data * model > 1  # one chip, or 2D without 'data': nothing to gather
-    gathered = 2 * p * -(-max(layer, head) // (model if strategy == "2d" else 1)) if gathers else 0
-    total = 2 * params + state + acts + gathered
+    copies = 2 if lora is None else 1  # the weights, and (unless frozen) their gradients
+    gathered = copies * p * -(-max(layer, head) // (model if strategy == "2d" else 1)) if gathers else 0
+    total = params + grads + state + acts + gathered
     return TrainingPlan(tuple(mesh_shape), strategy, batch, seq_len, dtype, optimizer, remat, attention,
-                        params, params, state, acts, gathered, total,
+                        params, grads, state, acts, gathered, total,
                         {chip: total <= hbm for chip, hbm in HBM_BYTES.items()})
 
 

@@ -50,7 +50,7 @@ import torch_xla.runtime as xr
 import uvicorn
 from transformers import GenerationConfig, LlamaConfig
 
-from . import checkpoint
+from . import checkpoint, lora
 from .api import app
 from .cli import ArgumentParser, add_compile_cache_args, int_list, user_errors
 from .engine import BUCKETS, Engine, check_buckets
@@ -60,7 +60,7 @@ from .parallel import check_tensor_parallel, replicate_kv_heads, shard_for_infer
 from .quantize import quantize as quantize_model
 from .runtime import accelerator_type, default_dtype, init_runtime, multi_host_slice
 from .tokenizer import TOKENIZER_FILES, ByteTokenizer, load_tokenizer
-from .train import DTYPES, TOKENIZER_DIR, TrainConfig, build_model, mesh_arg, model_config
+from .train import DTYPES, TOKENIZER_DIR, TrainConfig, build_model, lora_config, mesh_arg, model_config
 
 MAX_SEQ_LEN = 2048  # the default cache length: max_position_embeddings, capped here
 DRAIN_TIMEOUT = 30.0  # seconds that SIGTERM waits for the requests in flight
@@ -150,9 +150,16 @@ def read_weights(path, step, config, args):
         return Llama.from_pretrained(path, args.max_batch_size, args.max_seq_len)
     extra = checkpoint.read_meta(step)["extra"]  # the parameters' dtype (older checkpoints: train_config's)
     dtype = extra.get("dtypes", {}).get("parameters") or extra.get("train_config", {}).get("dtype") or "fp32"
-    hf = build_model(config, make_mesh(mesh_shape(None, config)), dtype=DTYPES[dtype])
-    checkpoint.load(step, hf, verified=True)
-    return Llama.from_state_dict(args, {name: t.cpu() for name, t in hf.state_dict().items()})
+    adapters = lora_config(extra.get("train_config", {}))  # a LoRA run's checkpoint: its adapters, on its base
+    base = extra["lora_base"]["folder"] if adapters else None
+    if adapters and lora.folder_sha256(base) != extra["lora_base"]["sha256"]:
+        raise ValueError(f"{step} holds LoRA adapters trained on the base model in {base!r}, whose weights have "
+                         f"changed since; serve with that base restored, or a merged export (checkpoint.export_hf)")
+    hf = build_model(config, make_mesh(mesh_shape(None, config)), dtype=DTYPES[dtype], init_from=base,
+                     lora_config=adapters)
+    checkpoint.load(step, lora.adapter_state(hf) if adapters else hf, verified=True)
+    return Llama.from_state_dict(args, lora.merged_state(hf) if adapters else
+                                 {name: t.cpu() for name, t in hf.state_dict().items()})
 
 
 def check_one_host():

@@ -50,7 +50,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from . import checkpoint
+from . import checkpoint, lora
 from .configs import get_config
 from .data import IGNORE_INDEX, StepSampler, load_corpus, train_val_split, training_data
 from .hlo import BUFFER_ASSIGNMENT, collectives, compiled_hlo, op_count, temp_bytes
@@ -92,6 +92,10 @@ class TrainConfig:
     pack: bool = None                 # --sft: several conversations per row (segment ids); None: unless eager or scan_layers
     tokenizer: str = None             # a local Hugging Face tokenizer folder; default: init_from's if it has one, else bytes
     init_from: str = None             # a local Hugging Face directory to fine-tune from; None: a random init (seed)
+    lora_rank: int = 0                # LoRA (lora.py): train rank-r adapters, every weight frozen (needs init_from); 0: full
+    lora_alpha: float = None          # the adapters' scale is alpha / rank; None: 2 x rank
+    lora_targets: tuple = lora.ATTENTION  # the projections LoRA adapts, from lora.TARGETS
+    lora_int8: bool = False           # LoRA: store the frozen projections in int8 (QLoRA's idea), compute in dtype
     checkpoint_dir: str = None        # a folder or gs:// URL for checkpoints and metrics.jsonl; None: neither is written
     checkpoint_every: int = 100       # steps between checkpoints (and the last step)
     keep: int = 3                     # checkpoints kept
@@ -146,19 +150,23 @@ def init_tile(config, seed, name, shape, row, col):
     return torch.empty(size).normal_(0.0, config.initializer_range, generator=gen)
 
 
-def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch.float32, attention="eager"):
+def build_model(config, mesh, strategy="2d", seed=0, init_from=None, dtype=torch.float32, attention="eager",
+                lora_config=None):
     """A sharded LlamaForCausalLM, built on the meta device and materialized one parameter at a
     time, so the unsharded model never sits in host memory: random weights, or those of `init_from`
     (a local HF directory), of which each host reads only the blocks its devices hold.
 
     dtype: of the parameters (bf16 on a TPU). Norms, softmax, the loss and Adafactor's state and
     update are computed in fp32 whatever it is. attention: "eager", "blockwise" or "flash"
-    (`attention.use`: flash runs on a TPU, blockwise wherever the kernel cannot)."""
+    (`attention.use`: flash runs on a TPU, blockwise wherever the kernel cannot). lora_config: a
+    lora.LoraConfig: every weight frozen, its targets wrapped with adapters (`lora.add`)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffer, computed on the CPU
     init = checkpoint.hf_reader(init_from, dtype) if init_from else init_weights(config, seed, dtype)
     shard_params(model, mesh, strategy, init=init)
+    if lora_config:  # before Table 2's hooks, which then annotate each adapted projection's sum
+        lora.add(model, lora_config, mesh, seed)
     if strategy == "2d":
         shard_activations(model, mesh)  # its own eager attention, with Table 2's annotations
     else:  # SDPA's mask shortcut reads the attention mask back to the host: a sync inside every step
@@ -288,12 +296,35 @@ def lr_at(optimizer, step):
     return optimizer.param_groups[0]["lr"] if optimizer.schedule is None else float(optimizer.schedule(step))
 
 
-def _check_resume(meta, cfg):
+def _check_resume(meta, cfg, base=None):
     saved = meta["extra"]["train_config"]
-    for key in ("model", "batch_size", "seq_len", "seed", "data", "dtype", "optimizer", "sft", "pack", "tokenizer"):
-        if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):  # older checkpoints lack dtype
+    for key in ("model", "batch_size", "seq_len", "seed", "data", "dtype", "optimizer", "sft", "pack", "tokenizer",
+                "lora_rank", "lora_alpha", "lora_targets", "lora_int8"):
+        now = json.loads(json.dumps(getattr(cfg, key)))  # as meta.json holds it (a tuple is a list there)
+        if saved.get(key, now) != now:  # older checkpoints lack dtype and the lora fields
             raise ValueError(f"cannot resume: the checkpoint was trained with {key}={saved[key]!r} but this "
                              f"run has {key}={getattr(cfg, key)!r}; use the same value or a new checkpoint_dir")
+    trained_on = meta["extra"].get("lora_base")
+    if trained_on and base and trained_on["sha256"] != base["sha256"]:
+        raise ValueError(f"cannot resume: the checkpoint's adapters were trained on the base model in "
+                         f"{trained_on['folder']!r} (sha256 {trained_on['sha256'][:12]}...), and init_from="
+                         f"{cfg.init_from!r} holds other weights; resume with that base folder")
+
+
+def lora_config(cfg):
+    """The lora.LoraConfig of cfg (a TrainConfig, or meta.json's train_config dict), or None for
+    full training (lora_rank 0)."""
+    get = cfg.get if isinstance(cfg, dict) else partial(getattr, cfg)
+    if not get("lora_rank", 0):
+        return None
+    targets = get("lora_targets")
+    return lora.LoraConfig(get("lora_rank"), get("lora_alpha"), (targets,) if isinstance(targets, str) else tuple(targets),
+                           int8=get("lora_int8"))
+
+
+def lora_base(cfg):
+    """What a LoRA checkpoint records of its base model: the init_from folder and its sha256."""
+    return dict(folder=str(cfg.init_from), sha256=lora.folder_sha256(cfg.init_from))
 
 
 POSITIVE = {"steps": "optimizer steps to run", "batch_size": "sequences per step",
@@ -351,6 +382,19 @@ def check_config(cfg):
         default_dtype()  # a bad LLAMA_XLA_DEFAULT_DTYPE is an error here, before any work
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("resume=True needs checkpoint_dir, the folder to resume from")
+    if not isinstance(cfg.lora_rank, int) or isinstance(cfg.lora_rank, bool) or cfg.lora_rank < 0:
+        raise ValueError(f"lora_rank={cfg.lora_rank!r} must be an int >= 0 (0: train every weight; e.g. 8 for LoRA)")
+    if cfg.lora_rank:
+        lora.check(lora_config(cfg))
+        if not cfg.init_from:
+            raise ValueError(f"lora_rank={cfg.lora_rank} trains adapters on a frozen base model, and init_from is "
+                             f"not set; pass the base model's Hugging Face folder (--init-from DIR)")
+        if cfg.scan_layers:
+            raise ValueError("lora_rank with scan_layers: LoRA is not built for scan over layers here (untested); "
+                             "use gradient_checkpointing without scan_layers")
+    elif cfg.lora_int8 or cfg.lora_alpha is not None:
+        raise ValueError("lora_int8 and lora_alpha configure LoRA adapters, and lora_rank is 0 (full training); "
+                         "set lora_rank (e.g. --lora-rank 8), or leave them out")
 
 
 def model_config(cfg):
@@ -369,6 +413,7 @@ def model_config(cfg):
 
 
 TOKENIZER_DIR = "tokenizer"  # checkpoint_dir/tokenizer: the run's Hugging Face tokenizer, for serve and export
+ADAPTER_DIR = "adapter"      # checkpoint_dir/adapter: a LoRA run's PEFT adapter folder, written at its end
 
 
 def tokenizer_path(cfg):
@@ -402,10 +447,15 @@ def hf_tokenizer(cfg):
 def save_tokenizer(tokenizer, cfg):
     """Keep a Hugging Face tokenizer beside the checkpoints (process 0), where serve and export find it."""
     if cfg.checkpoint_dir and xr.process_index() == 0 and tokenizer is not None:
-        with tempfile.TemporaryDirectory() as local:
-            tokenizer.save_pretrained(local)
-            fs, folder = fsspec.core.url_to_fs(f"{str(cfg.checkpoint_dir).rstrip('/')}/{TOKENIZER_DIR}")
-            fs.put(f"{local}/", folder, recursive=True)
+        put_folder(tokenizer.save_pretrained, cfg, TOKENIZER_DIR)
+
+
+def put_folder(write, cfg, name):
+    """write(local folder), then copy that folder to checkpoint_dir/name (a folder or a URL)."""
+    with tempfile.TemporaryDirectory() as local:
+        write(local)
+        fs, folder = fsspec.core.url_to_fs(f"{str(cfg.checkpoint_dir).rstrip('/')}/{name}")
+        fs.put(f"{local}/", folder, recursive=True)
 
 
 def setup(cfg):
@@ -439,6 +489,8 @@ def checkpoint_layers(model):
     the layer's forward again there. torch_xla's checkpoint, as torch.utils.checkpoint does not know
     the XLA device; it puts an optimization barrier in the graph so XLA cannot undo the recompute."""
     model._set_gradient_checkpointing(True, partial(torch_xla.utils.checkpoint.checkpoint, use_reentrant=True))
+    if not model.get_input_embeddings().weight.requires_grad:  # LoRA: a reentrant checkpoint whose inputs need
+        model.enable_input_require_grads()  # no gradient would give its layer's adapters none
 
 
 def prepare_layers(model, cfg):
@@ -537,8 +589,9 @@ def train(cfg, group=None):
     if group is None and xr.process_count() > 1:
         group = checkpoint.host_group()
     resume_from = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume else None
+    base = lora_base(cfg) if cfg.lora_rank else None
     if resume_from:
-        _check_resume(checkpoint.read_meta(resume_from), cfg)
+        _check_resume(checkpoint.read_meta(resume_from), cfg, base)
     tokenizer = hf_tokenizer(cfg)
     save_tokenizer(tokenizer, cfg)
     train_set, val_set = datasets(cfg, tokenizer)
@@ -546,13 +599,17 @@ def train(cfg, group=None):
         raise ValueError(f"the held-out split has {len(val_set[0])} rows of seq_len={cfg.seq_len}, fewer than "
                          f"batch_size={cfg.batch_size}, and evaluation needs one whole batch; use more data, a "
                          f"smaller batch_size or a shorter seq_len")
-    model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype], cfg.attention)
+    model = build_model(config, mesh, cfg.strategy, cfg.seed, cfg.init_from, DTYPES[cfg.dtype], cfg.attention,
+                        lora_config(cfg))
     prepare_layers(model, cfg)
-    optimizer = make_optimizer(cfg, model.parameters())
+    optimizer = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
+    saved = partial(lora.adapter_state, model) if cfg.lora_rank else lambda: model  # what a checkpoint holds of it
+    extra = dict(train_config=dataclasses.asdict(cfg), config=config.to_dict(), dtypes=run_dtypes(cfg.dtype),
+                 **(dict(lora_base=base) if base else {}))
     start = 0
     if resume_from:
         checkpoint.init_optimizer_state(optimizer)  # state tensors for load to fill
-        start = checkpoint.load(resume_from, model, optimizer, verified=True)["step"]  # latest() verified it
+        start = checkpoint.load(resume_from, saved(), optimizer, verified=True)["step"]  # latest() verified it
         if xr.process_index() == 0:
             print(f"resuming from {Path(str(resume_from)).name}: step {start + 1} next")
     sampler = StepSampler(len(train_set[0]), cfg.batch_size, cfg.seed, start, max(cfg.steps - start, 0))
@@ -582,9 +639,7 @@ def train(cfg, group=None):
             stop = should_stop(step, got, cfg.log_every, group)
             if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
                 with clock.stopped():
-                    checkpoint.save(cfg.checkpoint_dir, step, model, optimizer, keep=cfg.keep,
-                                    extra=dict(train_config=dataclasses.asdict(cfg), config=config.to_dict(),
-                                               dtypes=run_dtypes(cfg.dtype)))
+                    checkpoint.save(cfg.checkpoint_dir, step, saved(), optimizer, keep=cfg.keep, extra=extra)
                 rows = write_rows(log, rows, val_losses, count_compiles() - compiles, flush=True)
             if stop:  # preempted: this step is saved; stop here
                 break
@@ -603,6 +658,8 @@ def train(cfg, group=None):
     write_rows(log, rows, val_losses, train_compiles)
     if log:
         log.close()
+    if cfg.lora_rank and cfg.checkpoint_dir and not cfg.lora_int8 and xr.process_index() == 0:
+        put_folder(partial(lora.peft_adapter, model, base_model=cfg.init_from), cfg, ADAPTER_DIR)
     timed = len(dispatched) - 3  # steps after the two that compile, from the second's dispatch to the end
     tps = cfg.batch_size * cfg.seq_len * timed / (done - dispatched[start + 2]) / mesh.size() if timed > 0 else None
     peak = PEAK_FLOPS.get(chip())
@@ -744,6 +801,7 @@ def profile_step(cfg):
 
 
 mesh_arg = int_list("4,2 (data, model)")  # --mesh 4,2 -> (4, 2)
+names = lambda text: tuple(t.strip() for t in text.split(","))  # --lora-targets q_proj,v_proj -> ('q_proj', 'v_proj')
 
 
 def field_help():
@@ -761,8 +819,8 @@ def _parse_args(argv=None):
         if f.type is bool:  # a default of None (decided later) has --no-<flag> as well
             action = "store_true" if f.default is False else BooleanOptionalAction
             parser.add_argument(flag, action=action, default=f.default, help=help)
-        elif f.type is tuple:
-            parser.add_argument(flag, type=mesh_arg, default=f.default, help=help)
+        elif f.type is tuple:  # --mesh 4,2; --lora-targets q_proj,v_proj
+            parser.add_argument(flag, type=mesh_arg if f.name == "mesh" else names, default=f.default, help=help)
         else:
             parser.add_argument(flag, type=f.type, default=f.default, help=help)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an input error")

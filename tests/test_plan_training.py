@@ -210,26 +210,30 @@ def test_activations_within_25_percent_of_xla_scratch(case, profiles):
     assert 0.75 <= ratio <= 1.25
 
 
-def step_state(strategy, optimizer_class):
+def step_state(strategy, optimizer_class, lora_config=None):
     """One bf16 training step of the sharded tiny model, as train_step runs it (backward and optimizer in
     one graph): the gradients' dtypes and shapes (traced, before the step), and the bytes per device of the
-    parameters and of the optimizer state the step created (every tensor, 0-d steps too)."""
+    parameters (with LoRA: and the int8 codes and scales of the frozen projections) and of the optimizer
+    state the step created (every tensor, 0-d steps too)."""
     from llama_xla_helpers.sharding import shard_shape
     from llama_xla_helpers.train import TrainConfig, build_model, first_batch, forward_loss, setup
 
     cfg = TrainConfig(strategy=strategy, mesh=(N, 1) if strategy == "fsdp" else None, batch_size=max(8, N),
                       seq_len=24, dtype="bf16")
     cfg, mesh, config = setup(cfg)
-    model = build_model(config, mesh, strategy, dtype=torch.bfloat16)
+    model = build_model(config, mesh, strategy, dtype=torch.bfloat16, lora_config=lora_config)
     model.train()
-    optimizer = optimizer_class(model.parameters())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = optimizer_class(trained)
     forward_loss(model, first_batch(cfg, mesh)).backward()
-    grads = {(p.grad.dtype, p.grad.shape == p.shape) for p in model.parameters()}
+    grads = {(p.grad.dtype, p.grad.shape == p.shape) for p in trained}
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     torch_xla.sync()  # one graph: the gradients stay inside it, as in training
     nbytes = lambda t: math.prod(shard_shape(t)) * t.element_size()
-    params = sum(nbytes(p) for p in model.parameters())
+    params = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(t) for n, t in model.named_buffers()
+                                                              if ".base_layer." in n)
     return cfg, grads, params, sum(nbytes(t) for s in optimizer.state.values() for t in s.values())
 
 
@@ -250,3 +254,24 @@ def test_bf16_optimizer_state_and_gradients_match_the_plan(strategy, optimizer):
     assert state == plan.optimizer_bytes
     assert params == plan.param_bytes == plan.grad_bytes
     assert grads == {(torch.bfloat16, True)}
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize("strategy, int8", [("2d", False), ("fsdp", False), ("2d", True)])
+def test_lora_state_and_weights_match_the_plan_and_are_a_fraction_of_full_fine_tuning(strategy, int8):
+    """LoRA (rank 4 on q, k, v, o): the optimizer state a bf16 AdamW step leaves, for the adapters only,
+    and the frozen weights (int8 codes and scales with int8=True) equal the plan's bytes per device;
+    the state is printed beside full fine-tuning's, measured the same way."""
+    from llama_xla_helpers.lora import LoraConfig
+    from llama_xla_helpers.optim import AdamW
+
+    lora = LoraConfig(4, int8=int8)
+    cfg, grads, params, state = step_state(strategy, AdamW, lora)
+    plan = plan_training(TINY, cfg.mesh, strategy, cfg.batch_size, cfg.seq_len, "bf16", "adamw", lora=lora)
+    *_, full_params, full_state = step_state(strategy, AdamW)
+    print(f"{strategy} {cfg.mesh} LoRA{' int8' if int8 else ''}: AdamW state {state} bytes per device, full "
+          f"fine-tuning {full_state} ({state / full_state:.1%}); weights {params} (full {full_params})")
+    assert state == plan.optimizer_bytes
+    assert params == plan.param_bytes
+    assert grads == {(torch.bfloat16, True)}
+    assert state < full_state / 10
