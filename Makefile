@@ -1,10 +1,10 @@
 # make tour:           run every notebook on this machine (the CPU stands in for a TPU slice)
-# make test:           pytest + nbval over the committed notebooks (8 devices), and notebooks 01-04
+# make test:           pytest + nbval over the committed notebooks (8 devices), and notebooks 01-04 (03b too)
 #                      executed on 4 devices (a v4-8 / v5e-4 TPU VM's count): asserts, no output comparison.
 #                      Its seven parts run two at a time (TEST_PARTS below). On a TPU VM: the TPU plan (below).
 # make check-variants: what CI leaves out: nbval on another instruction set and on one thread,
 #                      the device-count tests at 1, 4 and 16 devices, every notebook on 1 and 16 devices
-#                      (and 05-07 on 4),
+#                      (and the rest on 4),
 #                      the tests and notebooks in bf16 (what a TPU runs by default), and the tests marked
 #                      `variants` (make test deselects them)
 # All create .venv from pyproject.toml on first use.
@@ -67,7 +67,7 @@ PYTEST_PARTS := test-pytest-a test-pytest-b test-pytest-c test-pytest-d test-pyt
 
 # The 4-device run in make test: the notebooks whose checks change most with the device count (meshes,
 # sharding, the training mesh, tensor-parallel decoding). check-variants runs the others at 4 too.
-NOTEBOOKS_AT_4 := $(filter notebooks/01_% notebooks/02_% notebooks/03_% notebooks/04_%,$(NOTEBOOKS))
+NOTEBOOKS_AT_4 := $(filter notebooks/01_% notebooks/02_% notebooks/03_% notebooks/03b_% notebooks/04_%,$(NOTEBOOKS))
 
 # Each part is one process that keeps a core or more busy (XLA:CPU compiles a program on one thread),
 # so on a 2-core machine two at a time take about half the time; the longest start first.

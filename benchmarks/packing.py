@@ -2,7 +2,7 @@
 
     python benchmarks/packing.py
 
-Notebook 03's SFT data (the conversations of `data.sft_conversations` that fit in 192 tokens,
+Notebook 03b's SFT data (the conversations of `data.sft_conversations` that fit in 192 tokens,
 from 800 asked for: the notebook asks for 400, and packed rows of 512 need more to hold out a
 batch; the small tokenizer), the tiny model, batch 16, fp32, on mesh_shape's pick for 8 CPU
 devices, in rows of 192 tokens (the notebook's) and of 512, three ways: one conversation per row with eager

@@ -35,7 +35,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -253,8 +253,3 @@ def folder_sha256(path):
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 digest.update(chunk)
     return digest.hexdigest()
-
-
-def config_dict(cfg):
-    """A LoraConfig as JSON-able values (meta.json)."""
-    return asdict(cfg) | dict(targets=list(cfg.targets))

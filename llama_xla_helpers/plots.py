@@ -242,12 +242,14 @@ def weight_blocks(t):
 
 
 def plot_weight_splits(tensors, name="weight_splits"):
-    """2D XLA weights side by side, tensors = {title: tensor}: each drawn to scale as the blocks its
-    devices hold (`weight_blocks`), each block labelled with the ids of the devices that hold it."""
+    """2D weights side by side, tensors = {title: an XLA tensor, or its blocks}: each drawn to scale as
+    the blocks its devices hold (`weight_blocks`, or given as {(r0, r1, c0, c1): [ids]}, e.g. DTensor
+    ranks'), each block labelled with the ids of the devices that hold it."""
     fig = Figure(figsize=(3.4 * len(tensors), 5))
     for ax, (title, t) in zip(np.atleast_1d(fig.subplots(1, len(tensors))), tensors.items()):
-        rows, cols = t.shape
-        for k, ((r0, r1, c0, c1), devices) in enumerate(weight_blocks(t).items()):
+        blocks = dict(sorted(t.items())) if isinstance(t, dict) else weight_blocks(t)  # row-then-column order
+        rows, cols = max(b[1] for b in blocks), max(b[3] for b in blocks)  # the blocks cover the tensor
+        for k, ((r0, r1, c0, c1), devices) in enumerate(blocks.items()):
             ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=f"C{k % 10}", alpha=0.5, edgecolor="black"))
             ax.text((c0 + c1) / 2, (r0 + r1) / 2, ",".join(map(str, devices)), ha="center", va="center")
         ax.set_xlim(0, cols), ax.set_ylim(rows, 0), ax.set_aspect("equal")

@@ -32,6 +32,7 @@ process calls. What it keeps and where:
 import atexit
 import functools
 import glob
+import logging
 import os
 import re
 import shutil
@@ -150,6 +151,8 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
     import torch_xla
     import torch_xla.runtime as xr
 
+    logging.getLogger("torch_xla.backends").addFilter(not_the_precision_warning)
+
     started = torch_xla._XLAC._xla_runtime_is_initialized()
     if not started:  # libtpu reads its variables once, when the runtime starts
         os.environ.update(tpu_env(os.environ, tpu_chips_present(), bool(hlo_dump_dir), USER_LIBTPU_INIT_ARGS))
@@ -184,6 +187,12 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
             print(f"LIBTPU_INIT_ARGS={USER_LIBTPU_INIT_ARGS!r} is set, so init_runtime kept it and added none of the "
                   f"overlap flags (runtime.OVERLAP_FLAGS); unset it to get them")
     return info
+
+
+def not_the_precision_warning(record):
+    """A logging filter: torch_xla 2.9's `set_mat_mul_precision` warns "Setting mat mul precision multiple
+    times is not recommended" at every call, the first one too; the notebooks set it once."""
+    return "mat mul precision multiple times" not in record.getMessage()
 
 
 def tpu_env(environ, chips, hlo_dump=False, user_libtpu_args=None):

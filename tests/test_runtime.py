@@ -3,6 +3,7 @@
 A TPU cannot be run here, so what differs on one is faked: the device type torch_xla reports,
 the TPU type variables of a TPU VM (ACCELERATOR_TYPE) or GKE (TPU_ACCELERATOR_TYPE), the chips.
 """
+import logging
 import os
 import subprocess
 import sys
@@ -36,6 +37,17 @@ def test_runtime_reports_the_cpu_stand_in(runtime):
 def test_runtime_refuses_another_device_count():
     with pytest.raises(RuntimeError, match=f"already started with {N} CPU devices.*cpu_devices={N + 1}"):
         init_runtime(N + 1)
+
+
+def test_setting_the_matmul_precision_logs_nothing_after_init_runtime(runtime, caplog):
+    import torch_xla.backends
+
+    torch_xla.backends.set_mat_mul_precision(torch_xla.backends.get_mat_mul_precision())
+    assert caplog.records == []
+    caplog.clear()
+    record = logging.LogRecord("torch_xla.backends", logging.WARNING, __file__, 0, "another warning", None, None)
+    logging.getLogger("torch_xla.backends").handle(record)  # the filter drops that one message only
+    assert caplog.records == [record]
 
 
 @pytest.mark.parametrize("device, variable, expected", [
