@@ -23,3 +23,31 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if RUNTIME.device_kind == "TPU" and "child_process" in item.keywords:
             item.add_marker(on_tpu)
+
+
+def mapped_regions():
+    """(memory regions this process maps, the kernel's limit: vm.max_map_count) on Linux, else None."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return None
+
+
+GROWTH = [0]  # the most regions one test has added in this process
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # XLA:CPU keeps every program it compiled mapped; past the limit the process crashes (a segfault) in
+    # whichever test crosses it. Stop before a test that could cross it, saying why and what to do.
+    before = mapped_regions()
+    if before and before[0] + GROWTH[0] > before[1]:
+        pytest.exit(f"error: before {item.nodeid} this process maps {before[0]:,} memory regions and one test "
+                    f"here added {GROWTH[0]:,}; past vm.max_map_count ({before[1]:,}) it crashes. XLA:CPU keeps "
+                    "every compiled program mapped: run fewer test files in one process (Makefile: TESTS_OWN)",
+                    returncode=3)
+    yield
+    after = mapped_regions()
+    if before and after:
+        GROWTH[0] = max(GROWTH[0], after[0] - before[0])
