@@ -1,7 +1,7 @@
 """The training loop's options beyond the step itself: resuming a scheduled run and its metrics.jsonl,
 gradient accumulation (equal to the whole batch; its collectives, measured), the training clock, and
-what logging costs. (Apart from test_train.py: XLA:CPU keeps every compiled program mapped, and one
-process compiling all of them aborts.)"""
+what logging costs. (Apart from test_train.py and test_train_bf16.py: XLA:CPU keeps every compiled
+program mapped, and one process compiling all of them aborts.)"""
 import dataclasses
 import json
 
@@ -16,6 +16,7 @@ from llama_xla_helpers.data import IGNORE_INDEX, small_tokenizer, sft_conversati
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.train import Clock, build_model, first_batch, optimizer_step, profile_step, setup, train
 import test_train
+import test_train_bf16
 from test_train import OPTIONS, SMALL, SMALL_FP32
 from util import preempted
 
@@ -31,7 +32,7 @@ def test_sharded_training_with_the_options_matches_unsharded_whole_batches():
 
 
 def test_a_bf16_run_with_the_options_resumes_as_if_never_interrupted(tmp_path, monkeypatch):
-    test_train.test_a_bf16_run_resumes_as_if_never_interrupted(tmp_path, monkeypatch, OPTIONS)
+    test_train_bf16.test_a_bf16_run_resumes_as_if_never_interrupted(tmp_path, monkeypatch, OPTIONS)
 
 
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, monkeypatch):

@@ -57,7 +57,7 @@ def test_the_tpu_plan_runs_one_part_at_a_time_and_compares_no_cpu_outputs():
     runs = notebook_runs("test", "TPU=1")
     assert runs and {kind for kind, _ in runs} == {"nbconvert"} and {names for _, names in runs} == {tour_vars}
     plan = make_n("test", "TPU=1").stdout
-    parts = " ".join(f"test-pytest-{p}" for p in "abcdefg")
+    parts = " ".join(f"test-pytest-{p}" for p in "abcdefghi")
     assert "-j" not in plan.split("\n")[0] and f"{parts} test-tpu" in plan
     assert "-m pytest -q tests/test_" in plan  # the tests run too (child-process tests skip on a TPU)
     assert "install -e '.[dev,scan,log,tpu]'" in make_n("-B", ".venv/installed", "TPU=1").stdout
