@@ -1,5 +1,5 @@
 # make tour:           run every notebook on this machine (the CPU stands in for a TPU slice)
-# make test:           pytest + nbval over the committed notebooks (8 devices), and notebooks 01-04 (03b too)
+# make test:           pytest + nbval over the committed notebooks (8 devices), and notebooks 01-04
 #                      executed on 4 devices (a v4-8 / v5e-4 TPU VM's count): asserts, no output comparison.
 #                      Its eleven parts run two at a time (TEST_PARTS below). On a TPU VM: the TPU plan (below).
 # make check-variants: what CI leaves out: nbval on another instruction set and on one thread,
@@ -61,29 +61,27 @@ TIMED = @start=$$(date +%s); trap 'echo "$@: $$(($$(date +%s) - start)) s"' EXIT
 # 8 devices: test_attention_training.py 51k regions alone, test_engine.py 27k, the rest of test_[a-f] 25k,
 # test_[g-r] 40k; test_tokenizer.py with test_train.py's first 23 tests 56k. The files that compile most
 # get a process each; conftest.py stops a process before a test that could cross the limit, naming this.
-TESTS_OWN := tests/test_attention_training.py tests/test_engine.py tests/test_loop.py tests/test_scan.py \
-	tests/test_train.py
+TESTS_OWN := tests/test_loop.py tests/test_engine.py tests/test_train.py tests/test_attention_training.py \
+	tests/test_scan.py
 TESTS_a := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[a-f]*.py)))
 TESTS_b := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[g-r]*.py)))
 TESTS_c := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_s*.py)))
 TESTS_d := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[t-z]*.py)))
-TESTS_e := tests/test_loop.py
-TESTS_f := tests/test_attention_training.py
-TESTS_g := tests/test_engine.py
-TESTS_h := tests/test_train.py
-TESTS_i := tests/test_scan.py
-PYTEST_PARTS := test-pytest-a test-pytest-b test-pytest-c test-pytest-d test-pytest-e test-pytest-f test-pytest-g \
-	test-pytest-h test-pytest-i
+# One part per file of TESTS_OWN, named after it (test-pytest-loop runs tests/test_loop.py).
+OWN := $(TESTS_OWN:tests/test_%.py=%)
+$(foreach f,$(OWN),$(eval TESTS_$(f) := tests/test_$(f).py))
+# The longest first (measured: b about 760 s, a 540, the files of TESTS_OWN 100 to 300 each, c and d 220).
+PYTEST_PARTS := test-pytest-b test-pytest-a $(OWN:%=test-pytest-%) test-pytest-c test-pytest-d
 
 # The 4-device run in make test: the notebooks whose checks change most with the device count (meshes,
-# sharding, the training mesh, tensor-parallel decoding). check-variants runs the others at 4 too.
-NOTEBOOKS_AT_4 := $(filter notebooks/01_% notebooks/02_% notebooks/03_% notebooks/03b_% notebooks/04_%,$(NOTEBOOKS))
+# sharding, the training mesh, tensor-parallel decoding). check-variants runs the others at 4 too (03b's
+# checks barely depend on the count: it moved there when make test passed 45 minutes).
+NOTEBOOKS_AT_4 := $(filter notebooks/01_% notebooks/02_% notebooks/03_% notebooks/04_%,$(NOTEBOOKS))
 
 # Each part is one process that keeps a core or more busy (XLA:CPU compiles a program on one thread),
 # so on a 2-core machine two at a time take about half the time; the longest start first.
 # --output-sync prints each part's output whole, when it ends.
-TEST_PARTS := test-nbval test-devices-4 test-pytest-h test-pytest-c test-pytest-b test-pytest-a test-pytest-d \
-	test-pytest-e test-pytest-i test-pytest-g test-pytest-f
+TEST_PARTS := test-nbval test-devices-4 $(PYTEST_PARTS)
 .PHONY: $(TEST_PARTS) test-tpu
 
 ifeq ($(TPU),)
