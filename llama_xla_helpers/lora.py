@@ -44,7 +44,7 @@ import torch_xla.distributed.spmd as xs
 from safetensors.torch import save_file
 
 from .quantize import Int8Linear, quantize_int8
-from .sharding import to_sharded
+from .sharding import head_dim, keyed_generator, to_sharded
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the default targets
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -87,9 +87,8 @@ def check(cfg, model_config=None):
 
 def projection_shapes(config):
     """{target: (out_features, in_features)} of a decoder layer's projections."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    h, q, kv, m = (config.hidden_size, config.num_attention_heads * head_dim,
-                   config.num_key_value_heads * head_dim, config.intermediate_size)
+    h, q, kv, m = (config.hidden_size, config.num_attention_heads * head_dim(config),
+                   config.num_key_value_heads * head_dim(config), config.intermediate_size)
     return dict(q_proj=(q, h), k_proj=(kv, h), v_proj=(kv, h), o_proj=(h, q), gate_proj=(m, h), up_proj=(m, h),
                 down_proj=(h, m))
 
@@ -121,9 +120,8 @@ class LoraLinear(nn.Module):
 def init_A(seed, name, rank, in_features):
     """A's first values (rank, in) in fp32: nn.Linear's init, uniform in +-1/sqrt(in) (PEFT's
     default), from a generator keyed by (seed, name), so every mesh and host starts alike."""
-    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/lora_A".encode()).digest()[:8], "little") >> 1
     bound = 1 / math.sqrt(in_features)
-    return torch.empty(rank, in_features).uniform_(-bound, bound, generator=torch.Generator().manual_seed(key))
+    return torch.empty(rank, in_features).uniform_(-bound, bound, generator=keyed_generator(f"{seed}/{name}/lora_A"))
 
 
 def linear_of(cls, weight):

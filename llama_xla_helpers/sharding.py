@@ -8,6 +8,7 @@ layout): parameters keep the specs below, which do not name 'dcn', so each slice
 sharded copy; only the batch is split across slices, on ('data', 'dcn') (see `batch_axes`), so
 only the data-parallel gradient reduction crosses the slow data-center network.
 """
+import hashlib
 import math
 import re
 from functools import partial
@@ -139,6 +140,17 @@ def shard_params(model, mesh, strategy="2d", init=None):
     model.to(torch_xla.device())  # buffers
     model.partition_specs = specs
     return sharding_table(model)
+
+
+def head_dim(config):
+    """A Hugging Face Llama config's head size: its head_dim if set, else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def keyed_generator(key):
+    """A CPU generator seeded from the hash of the string `key`: the same draws on every host,
+    whatever mesh splits the tensor they fill."""
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1)
 
 
 def to_sharded(source, mesh, spec, shape=None):
@@ -286,9 +298,8 @@ def shard_activations(model, mesh):
     hook handles.
     """
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     for what, size in [("hidden_size", cfg.hidden_size), ("num_attention_heads", cfg.num_attention_heads),
-                       ("num_key_value_heads * head_dim", cfg.num_key_value_heads * head_dim),
+                       ("num_key_value_heads * head_dim", cfg.num_key_value_heads * head_dim(cfg)),
                        ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)]:
         if size % axis_size(mesh, "model"):
             raise ValueError(f"{what}={size} is not divisible by mesh axis 'model' of size "

@@ -19,7 +19,6 @@ devices there are; `--mesh 4,2` fixes it, `--slices 2` spans 2 slices of a multi
 """
 import contextlib
 import dataclasses
-import hashlib
 import inspect
 import json
 import math
@@ -62,8 +61,8 @@ from .attention import IMPLEMENTATIONS, default_implementation, implementation a
 from .runlog import RunLog
 from .cli import ArgumentParser, int_list, user_errors
 from .runtime import chip, compile_cache_counters, compile_cache_summary, default_dtype, init_runtime
-from .sharding import (STRATEGIES, axis_size, batch_axes, shard_activations, shard_params, shard_shape,
-                       sharded_loader)
+from .sharding import (STRATEGIES, axis_size, batch_axes, keyed_generator, shard_activations, shard_params,
+                       shard_shape, sharded_loader)
 from .tokenizer import TOKENIZER_FILES, ByteTokenizer, get_tokenizer, tokenizer_and_config
 
 
@@ -144,9 +143,8 @@ def init_weights(config, seed, dtype=torch.float32):
 def init_tile(config, seed, name, shape, row, col):
     """The tile (row, col) of the 2-D tensor `name` (fp32): its rows row * INIT_TILE ... and columns
     col * INIT_TILE ..., from a generator keyed by (seed, name, row, col)."""
-    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}/{row}/{col}".encode()).digest()[:8], "little") >> 1
     size = [min(INIT_TILE, n - i * INIT_TILE) for n, i in zip(shape, (row, col))]
-    gen = torch.Generator().manual_seed(key)
+    gen = keyed_generator(f"{seed}/{name}/{row}/{col}")
     return torch.empty(size).normal_(0.0, config.initializer_range, generator=gen)
 
 
