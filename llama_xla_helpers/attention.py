@@ -21,21 +21,29 @@ than one block of them:
   blocks above the diagonal are skipped. Without the custom backward, autograd would keep every
   block's probabilities and the memory would not fall.
 
-Where the kernel cannot run (a CPU, a sequence not a multiple of its 128-token blocks) "flash"
-falls back to "blockwise". Only a TPU runs the kernel; the tests check the arguments it is given.
+On a CPU "flash" runs "blockwise". On a TPU the kernel takes only some lengths (`flash_takes`:
+128, 256, 512 and multiples of 1,024, from torch_xla 2.9's block sizes); rows of another length
+are padded to the next one it takes (`flash_length`), never sent to the loop silently, and
+`ran(model)` says which path ran. Only a TPU runs the kernel; tests/test_tpu_kernels.py lowers
+every call the package makes for the TPU from the CPU (JAX's own block and layout checks) and
+runs JAX's kernel in Pallas's interpret mode against "blockwise".
 
 Serving (the last section): the engine's step puts the tokens of every request it runs (prompt
 chunks and decoded tokens) on one flat axis, and each token attends to the keys its own request
 has written, which sit in the pages its block table lists (`kv_pages.py`). On a TPU that is
-torch_xla's ragged paged attention kernel (vLLM's); elsewhere a fixed-shape gather-and-mask
-computes the same thing.
+torch_xla's ragged paged attention kernel (vLLM's), wrapped in one custom op that
+torch.compile traces (`paged_kernel`); elsewhere a fixed-shape gather-and-mask computes the same
+thing.
 """
+import functools
 from functools import partial
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
+from torch_xla.distributed.spmd import Mesh
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import repeat_kv
@@ -44,11 +52,27 @@ from .sharding import ACTIVATION_SPECS, batch_spec
 
 IMPLEMENTATIONS = ("eager", "blockwise", "flash")
 BLOCK = 512            # tokens per query block and per key block (the kernel's default blocks)
-FLASH_MIN_BLOCK = 128  # the kernel tiles the sequence in blocks of at least this many tokens
+FLASH_MIN_BLOCK = 128  # the kernel tiles the sequence in blocks of at least this many tokens (its lanes)
+LANES = 128            # the ragged kernel's head_dim: a smaller one is zero-padded to it (as vLLM does)
 
 
 def on_tpu():
+    """Whether the TPU paths run: the kernels (tests fake this to take them on the CPU)."""
     return xr.device_type() == "TPU"
+
+
+def kernels_execute():
+    """Whether torch_xla's Pallas kernels can execute here: on a TPU. Elsewhere the ragged kernel's
+    op (`paged_kernel`) runs a fixed-shape reference in its place, so the kernel path compiles and
+    runs on the CPU too."""
+    return xr.device_type() == "TPU"
+
+
+# torch_xla's flash wrapper turns the mesh it is given into a string and parses it again on every
+# call (in the backward always: custom_kernel.fa_custom_backward), and the shardings computed from a
+# Mesh are cached per Mesh object, without bound: measured 0.6 ms and about 8 KiB kept per call on 8
+# CPU devices, two calls per layer per step. One Mesh per string ends both.
+Mesh.from_str = staticmethod(functools.lru_cache(maxsize=None)(Mesh.from_str))
 
 
 def default_implementation():
@@ -168,21 +192,55 @@ def blockwise_attention(q, k, v, *, scale, segment_ids=None, mask=None, block=BL
     return BlockwiseAttention.apply(q, k, v, mask, segment_ids, scale, block)
 
 
+def flash_takes(seq_len):
+    """Whether torch_xla 2.9's flash kernel takes rows of seq_len tokens, forward and backward: each
+    of its blocks (`FlashAttention.DEFAULT_BLOCK_SIZES`, cut to the length) must divide the length
+    (JAX's block check) and be a whole number of 128-token lanes. So 128, 256, 512 and multiples of
+    1,024: at 384, 768 or 1,536 the backward raises at step 1; at 192 the forward cannot be built."""
+    from torch_xla.experimental.custom_kernel import FlashAttention
+    blocks = [min(b, seq_len) for name, b in FlashAttention.DEFAULT_BLOCK_SIZES.items() if name != "block_b"]
+    return all(b % FLASH_MIN_BLOCK == 0 and seq_len % b == 0 for b in blocks)
+
+
+def flash_length(seq_len):
+    """The length the flash kernel runs rows of seq_len tokens at: the first one it takes (192 -> 256,
+    768 -> 1,024, 1,536 -> 2,048)."""
+    n = -(-seq_len // FLASH_MIN_BLOCK) * FLASH_MIN_BLOCK
+    while not flash_takes(n):
+        n += FLASH_MIN_BLOCK
+    return n
+
+
 def flash_attention(query, key, value, scale, segment_ids=None, mesh=None):
     """torch_xla's Pallas flash attention (TPU only), causal: (bsz, seqlen, heads, head_dim).
 
     query (bsz, heads, seqlen, head_dim), key / value (bsz, kv_heads, seqlen, head_dim) as Hugging
     Face hands them; the kernel wants as many KV heads as query heads, so they are repeated. Under
-    SPMD each device runs it on the batch and heads Table 2 gives it (`partition_spec`)."""
+    SPMD each device runs it on the batch and heads Table 2 gives it (`partition_spec`).
+
+    A length the kernel does not take is zero-padded at the end to `flash_length` and the output cut
+    back. Causal attention keeps every real query from reading the padding (it comes after them),
+    and the padding's own rows are cut, so their gradients are zero: the result is the unpadded
+    one. With segment ids the padding gets a segment of its own (-1) as well."""
     from torch_xla.experimental.custom_kernel import flash_attention as kernel
     n_rep = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)  # (bsz, heads, seqlen, head_dim)
+    seq_len = query.shape[2]
+    pad = flash_length(seq_len) - seq_len
+    if pad:
+        query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
     spec = None if mesh is None else batch_spec(ACTIVATION_SPECS["attn_weights"], mesh)
     if segment_ids is not None:  # the loader's are int64; the kernel's JAX side takes int32 ids
-        segment_ids = segment_ids.to(torch.int32)
+        segment_ids = F.pad(segment_ids.to(torch.int32), (0, pad), value=-1)
     out = kernel(query, key, value, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                  sm_scale=scale, partition_spec=spec, mesh=mesh)
-    return out.transpose(1, 2)
+    return out[:, :, :seq_len].transpose(1, 2)
+
+
+def flash_path(seq_len):
+    """How flash runs rows of seq_len tokens: "flash", or "flash (192 padded to 256)"."""
+    n = flash_length(seq_len)
+    return "flash" if n == seq_len else f"flash ({seq_len} padded to {n})"
 
 
 def hf_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *, implementation, mesh=None,
@@ -192,16 +250,27 @@ def hf_attention(module, query, key, value, attention_mask, scaling, dropout=0.0
     query (bsz, heads, seqlen, head_dim), key / value (bsz, kv_heads, seqlen, head_dim); returns
     ((bsz, seqlen, heads, head_dim), None): no attention weights exist to return. Causal over the
     row; `segment_ids` (bsz, seqlen), passed to the model's forward, keep packed documents apart.
-    The attention_mask is None (`use` registers no mask): rows carry no padding in training."""
+    The attention_mask is None (`use` registers no mask): rows carry no padding in training.
+    The path that ran is kept on the module (`ran`)."""
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by {implementation!r} attention; "
                          f"set the config's attention_dropout to 0 (Llama's default)")
-    if implementation == "flash" and on_tpu() and query.shape[2] % FLASH_MIN_BLOCK == 0:
+    flash = implementation == "flash" and on_tpu()
+    if module is not None:
+        module.attention_ran = flash_path(query.shape[2]) if flash else "blockwise"
+    if flash:
         return flash_attention(query, key, value, scaling, segment_ids, mesh), None
     q = query.transpose(1, 2).unflatten(2, (key.shape[1], -1))  # (bsz, seqlen, g, r, head_dim)
     out = blockwise_attention(q, key.transpose(1, 2), value.transpose(1, 2), scale=scaling, segment_ids=segment_ids,
                               block=block)
     return out.flatten(2, 3), None  # (bsz, seqlen, heads, head_dim)
+
+
+def ran(model):
+    """What a Hugging Face model's attention ran as in its last forward: "flash", "flash (192 padded
+    to 256)", "blockwise", or `implementation(model)` if `use` did not set it (eager)."""
+    paths = sorted({m.attention_ran for m in model.modules() if hasattr(m, "attention_ran")})
+    return ", ".join(paths) or implementation(model)
 
 
 def implementation(model):
@@ -270,13 +339,14 @@ def ragged_batch(layout, put=lambda t: t):
 
 def write_pages(pages, batch, k, v):
     """pages (num_pages, page_size, 2 * g, head_dim) with this step's keys and values k, v (T, g,
-    head_dim) written at `batch.slots`, interleaved on the head axis as the kernel reads them (K of
-    head h at 2h, V at 2h + 1). Out of place: the runner donates `pages`, so XLA writes in place.
+    head_dim, or less: zero-padded to the pages') written at `batch.slots`, interleaved on the head
+    axis as the kernel reads them (K of head h at 2h, V at 2h + 1). Out of place: the runner donates `pages`, so XLA writes in place.
 
     A step of one token writes a second row, zeros into slot 0 (page 0, the padding's): XLA turns a
     one-row write into a dynamic-update-slice guarded by a bounds check, which copies the whole
     pool first (measured: a 97-page pool's step 4x a 10-page one's, tests/test_engine.py)."""
     kv = torch.stack([k, v], dim=2).flatten(1, 2)  # (T, 2 * g, head_dim): k0, v0, k1, v1, ...
+    kv = F.pad(kv, (0, pages.shape[3] - kv.shape[2]))  # the kernel's pages: zeros up to its head_dim
     slots = batch.slots  # (T,)
     if kv.shape[0] == 1:
         kv, slots = torch.cat([kv, torch.zeros_like(kv)]), torch.cat([slots, torch.zeros_like(slots)])
@@ -299,31 +369,66 @@ def gather_attention(q, pages, batch, scale):
     return out.flatten(0, 1)[batch.unrow].flatten(1, 2)  # (T, heads, head_dim)
 
 
-def kernel_fits(n_kv_heads, head_dim, dtype):
-    """Whether torch_xla 2.9's ragged paged attention kernel takes a device's n_kv_heads: head_dim a
-    multiple of 128 (its lanes; its tuned block sizes are all for 128), and the K and V heads
-    together, counted in 32-bit words, 1, 2, 4, 8 or a multiple of 8 (what Mosaic tiles whole)."""
+def kernel_fits(n_kv_heads, dtype):
+    """Whether torch_xla 2.9's ragged paged attention kernel takes a device's n_kv_heads: the K and
+    V heads together, counted in 32-bit words, 1, 2, 4, 8 or a multiple of 8 (what Mosaic tiles
+    whole; `get_min_heads_per_blk`). Any head_dim: `kernel_head_dim` pads it to the kernel's lanes."""
     words, rest = divmod(2 * n_kv_heads, 32 // torch.finfo(dtype).bits)  # 1 value per word in fp32, 2 in bf16
-    return head_dim % 128 == 0 and rest == 0 and (words in (1, 2, 4, 8) or words % 8 == 0)
+    return rest == 0 and (words in (1, 2, 4, 8) or words % 8 == 0)
 
 
-def kernel_attention(q, pages, batch, scale, mesh=None):
-    """torch_xla's Pallas ragged paged attention (TPU only): (T, heads, head_dim). On a mesh with a
-    'model' axis, each device runs it on its own query heads and their KV heads (the pages are
-    sharded on the head axis the same way), as vLLM's TPU backend does. The padding tokens past
-    the step's last sequence get zeros (the kernel leaves their rows unwritten)."""
+def kernel_head_dim(head_dim):
+    """The pages' head_dim on the kernel's path: a multiple of 128 (the kernel's lanes; 64 -> 128, as
+    vLLM pads it). The padding is zeros, so scores and outputs are the unpadded ones; the pool's
+    bytes grow by the same factor (Llama 3.2 1B's double)."""
+    return -(-head_dim // LANES) * LANES
+
+
+@torch.library.custom_op("llama_xla::ragged_paged_attention", mutates_args=())
+def paged_kernel(q: torch.Tensor, pages: torch.Tensor, kv_lens: torch.Tensor, page_indices: torch.Tensor,
+                 cu_q_lens: torch.Tensor, num_seqs: torch.Tensor, scale: float, mesh: str) -> torch.Tensor:
+    """torch_xla's ragged paged attention kernel as one op that torch.compile traces (its Python
+    wrapper cannot be: `requires_jax` calls into the runtime, and so does manual sharding):
+    (T, heads, head_dim). mesh: str(Mesh), or "" for none. On a mesh with a 'model' axis each
+    device runs it on its own query heads and their KV heads, as vLLM's TPU backend does. Where
+    the kernel cannot execute (a CPU) `paged_reference` runs in its place."""
     from torch_xla.experimental.custom_kernel import ragged_paged_attention
-
-    def kernel(q, pages, *meta):
-        return ragged_paged_attention(q, pages, *meta, sm_scale=scale)
-
-    meta = (batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
+    kernel = partial(ragged_paged_attention, sm_scale=scale) if kernels_execute() else partial(paged_reference,
+                                                                                                 scale=scale)
+    meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
+    mesh = Mesh.from_str(mesh) if mesh else None
     if mesh is not None and mesh.shape().get("model", 1) > 1:
         specs = ((None, "model", None), (None, None, "model", None)) + tuple((None,) * t.dim() for t in meta)
         kernel = per_device(kernel, mesh, specs, (None, "model", None))
-    out = kernel(q, pages, *meta)  # (T, heads, head_dim)
+    return kernel(q, pages, *meta)
+
+
+@paged_kernel.register_fake
+def _(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale, mesh):
+    return torch.empty_like(q)
+
+
+def paged_reference(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale):
+    """What the ragged kernel computes, from its own arguments, in fixed shapes: the gather path with
+    one query per row. (torch_xla's reference, `ragged_paged_attention(use_kernel=False)`, reads the
+    lengths on the host, so a compiled step would keep the first step's layout.)"""
+    t = torch.arange(q.shape[0], device=q.device)  # (T,)
+    seq = (t[:, None] >= cu_q_lens[None, 1:]).sum(-1).clamp(max=kv_lens.shape[0] - 1)  # (T,) its sequence
+    pos = (kv_lens[seq] - cu_q_lens[seq + 1] + t).clamp(min=0)  # (T,) its position there (padding: anything)
+    rows = RaggedBatch(kv_lens, page_indices, cu_q_lens, num_seqs, pos, None, t[:, None], seq, pos[:, None], t)
+    return gather_attention(q, pages, rows, scale)
+
+
+def kernel_attention(q, pages, batch, scale, mesh=""):
+    """The ragged kernel (`paged_kernel`): (T, heads, head_dim). mesh: str(Mesh), or "" for none (a
+    string: dynamo cannot trace str(mesh) inside a compiled step). q's head_dim is zero-padded to the
+    pages' (`kernel_head_dim`) and the output cut back; the padding tokens past the step's last
+    sequence get zeros (the kernel leaves their rows unwritten)."""
+    head_dim = q.shape[2]
+    q = F.pad(q, (0, pages.shape[3] - head_dim))
+    out = paged_kernel(q, pages, batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs, scale, mesh)
     real = torch.arange(q.shape[0], device=q.device) < batch.cu_q_lens[-1]
-    return torch.where(real[:, None, None], out, 0)
+    return torch.where(real[:, None, None], out[..., :head_dim], 0)
 
 
 def per_device(fn, mesh, in_specs, out_spec):
@@ -337,13 +442,19 @@ def per_device(fn, mesh, in_specs, out_spec):
     return run
 
 
+def uses_kernel(n_kv_heads, dtype, mesh=None):
+    """Whether a serving step runs the ragged kernel (else the gather path): on a TPU, where the kernel
+    takes each device's KV heads (n_kv_heads over the mesh's 'model' axis)."""
+    ways = 1 if mesh is None else mesh.shape().get("model", 1)
+    return on_tpu() and kernel_fits(n_kv_heads // ways, dtype)
+
+
 def ragged_attention(q, pages, batch, scale, mesh=None):
     """A serving step's attention: q (T, heads, head_dim) for the step's flat tokens, each reading
     its own sequence's keys and values in `pages` (num_pages, page_size, 2 * g, head_dim) as
-    `batch` (a RaggedBatch) lays out. The kernel on a TPU where it fits (`kernel_fits`, with the
-    per-device head counts), the gather path elsewhere; both compute the same thing (tests compare
-    the gather path with the kernel's PyTorch reference, `ragged_paged_attention(use_kernel=False)`)."""
-    ways = 1 if mesh is None else mesh.shape().get("model", 1)
-    if on_tpu() and kernel_fits(pages.shape[2] // 2 // ways, q.shape[2], pages.dtype):
-        return kernel_attention(q, pages, batch, scale, mesh)
+    `batch` (a RaggedBatch) lays out. The kernel on a TPU where it fits (`uses_kernel`), the gather
+    path elsewhere; both compute the same thing (tests compare the gather path with the kernel's
+    PyTorch reference, `ragged_paged_attention(use_kernel=False)`, and lower the kernel for the TPU)."""
+    if uses_kernel(pages.shape[2] // 2, pages.dtype, mesh):
+        return kernel_attention(q, pages, batch, scale, "" if mesh is None else str(mesh))
     return gather_attention(q, pages, batch, scale)

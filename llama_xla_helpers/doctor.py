@@ -28,9 +28,10 @@ import torch_xla.runtime as xr
 from torch_xla.experimental.scan import scan
 from transformers import LlamaForCausalLM
 
-from . import runtime
+from . import attention, runtime
 from .cli import ArgumentParser, add_compile_cache_args
 from .configs import get_config
+from .engine import Engine
 from .generate import Generator
 from .mesh import make_mesh, mesh_shape
 from .metrics import HBM_BANDWIDTH, PEAK_FLOPS
@@ -241,6 +242,55 @@ def check_tensor_parallel(args):
     return f"{batch} rows x 8 greedy tokens equal, unsharded vs the {where}"
 
 
+def check_kernels(args):
+    """Which attention each path runs at --seq-len; on a TPU, that JAX is installed, one flash forward
+    and backward equals the blockwise loop, and one compiled engine step on the ragged kernel gives
+    Generator's tokens."""
+    seq = args.seq_len
+    if not attention.on_tpu():
+        return (f"training at seq_len {seq} attends blockwise, serving with the gather path: the Pallas kernels "
+                f"run on a TPU only")
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        raise CheckFailed("JAX is not installed, and torch_xla's flash and ragged paged attention kernels import "
+                          "it") from None
+    flash = check_flash(seq)
+    model = tiny_llama(4, 64, DTYPES[dtype_name(args)])
+    want, _ = Generator(tiny_llama(1, 64, DTYPES[dtype_name(args)]), buckets=(16,)).generate(prompts([5]), 6)
+    eng = Engine(model, slots=4, buckets=(16,), compile=True)
+    eng.warmup()
+    got = eng.generate(prompts([5]), 6)[0]
+    if not eng.runner.kernel:
+        raise CheckFailed("the engine took the gather path for the tiny model (attention.uses_kernel)")
+    if got != want[0]:
+        raise CheckFailed(f"the compiled engine step on the ragged kernel gave {got}, Generator {want[0]}")
+    return (f"training at seq_len {seq}: {flash}; serving: the ragged paged attention kernel "
+            f"(compiled step, head_dim 16 padded to 128) gives Generator's tokens")
+
+
+def check_flash(seq_len):
+    """One flash forward and backward at seq_len on Table 2's partition spec, against the blockwise
+    loop (highest matmul precision): returns the path it ran ("flash" or the padding)."""
+    n = xr.global_runtime_device_count()
+    mesh, dev = make_mesh(mesh_shape(n)), torch_xla.device()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(mesh.shape()["data"], h, seq_len, 128, generator=g) for h in (8, 4, 4))
+    grads = []
+    with highest_precision():
+        for name in ("flash", "blockwise"):
+            leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+            out, _ = attention.hf_attention(None, *leaves, None, 128 ** -0.5, implementation=name, mesh=mesh)
+            out.sum().backward()
+            grads.append([t.cpu() for t in (out, *(leaf.grad for leaf in leaves))])
+    for what, a, b in zip(("output", "dq", "dk", "dv"), *grads):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        if not err < 1e-2:
+            raise CheckFailed(f"flash attention's {what} differs from the blockwise loop's by {err:.1e} of its largest "
+                              f"value at seq_len {seq_len}")
+    return attention.flash_path(seq_len)
+
+
 def seconds_per_run(fn, runs):
     """Mean time of fn() as one graph, timed after a warm-up run (its compile)."""
     out = fn()  # kept alive until the sync, or there would be nothing to run
@@ -343,6 +393,9 @@ CHECKS = (  # (name, check(args) -> what passed, the fix to print when it fails)
      "a value baked into the decode graph changes between calls: PT_XLA_DEBUG_LEVEL=2 names the cause"),
     ("tensor parallel", check_tensor_parallel,
      "sharding changes the model's output: run pytest tests/test_parallel.py to find the layer"),
+    ("attention kernels", check_kernels,
+     "pip install -e '.[tpu]' (JAX 0.7.1 for the Pallas kernels); a wrong result: run pytest "
+     "tests/test_tpu_kernels.py, and train with --attention blockwise meanwhile"),
     ("speed", check_speed,
      "another process may be using the chips (`tpu-info` shows their memory and duty cycle): stop it and "
      "rerun; if it stays slow, recreate the TPU VM"),
@@ -366,7 +419,7 @@ def positive_int(text):
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1 (virtual CPU devices, e.g. 4)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1")
     return value
 
 
@@ -378,6 +431,8 @@ def parse_args(argv=None):
                         help="parameters of the training and generation checks (default: "
                              "LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
     add_compile_cache_args(parser)
+    parser.add_argument("--seq-len", type=positive_int, default=2048,
+                        help="the training length whose attention the kernel check runs (default 2048)")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="check that this host can write checkpoints there "
                                                                 "(default: no such check)")
     args = parser.parse_args(argv)

@@ -38,8 +38,12 @@ ROOT = hashlib.sha256(b"llama-xla prefix cache").digest()  # the first page's pa
 
 def page_size_for(max_seq_len):
     """The page size for a model context of max_seq_len tokens, by vLLM's rule for torch_xla's
-    ragged paged attention kernel: at most 16 pages for the longest request's next power of two,
-    clamped to [16, 256] tokens (16 for contexts up to 256 tokens, 128 for 2,048)."""
+    ragged paged attention kernel (`PallasAttentionBackend.get_page_size`): at most 16 pages for the
+    longest request's next power of two, clamped to [16, 256] tokens (16 for contexts up to 256
+    tokens, 128 for 2,048, 256 for 4,096 and 8,192); above 8,192 tokens 16 again, vLLM's fix for the
+    kernel spilling out of VMEM with large pages (Llama 3.1's 131,072: 16)."""
+    if max_seq_len > 8192:
+        return 16
     return min(max(1 << (max_seq_len - 1).bit_length() >> 4, 16), 256)
 
 

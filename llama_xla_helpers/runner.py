@@ -35,11 +35,12 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from .attention import QUERY_BLOCK, kernel_fits, on_tpu, ragged_attention, ragged_batch, write_pages
+from .attention import (QUERY_BLOCK, gather_attention, kernel_attention, kernel_head_dim, ragged_batch, uses_kernel,
+                        write_pages)
 from .kv_pages import pages_for
 from .mesh import make_mesh
 from .sampling import logprobs_of, sample_rows
-from .sharding import Constraint, axis_size, to_sharded
+from .sharding import Constraint, to_sharded
 
 
 def ragged_layout(runs, page_size, tokens, seqs, pages):
@@ -195,16 +196,20 @@ class PagedCache(nn.Module):
     """A layer's KV cache in the engine, in place of the model's `KVCache`: inside a step, `pages`
     (num_pages, page_size, 2 * n_kv_heads, head_dim) are the pages handed in and `batch` the step's
     `attention.RaggedBatch`. `attend` writes the step's keys and values into their pages, out of
-    place, keeping the result for the step to return, and attends over them."""
+    place, keeping the result for the step to return, and attends over them: with the ragged
+    kernel if `kernel` (`attention.uses_kernel`), else the gather path (`attention.ragged_attention`)."""
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, kernel):
         super().__init__()
-        self.mesh, self.pages, self.batch = mesh, None, None
+        self.mesh = "" if mesh is None else str(mesh)  # the kernel's op takes the mesh as a string
+        self.kernel, self.pages, self.batch = kernel, None, None
 
     def attend(self, q, k, v, scale):
         """q (T, n_heads, head_dim), k, v (T, n_kv_heads, head_dim) -> (T, n_heads, head_dim)."""
         self.pages = write_pages(self.pages, self.batch, k, v)
-        return ragged_attention(q, self.pages, self.batch, scale, self.mesh)
+        if self.kernel:
+            return kernel_attention(q, self.pages, self.batch, scale, self.mesh)
+        return gather_attention(q, self.pages, self.batch, scale)
 
 
 def step_program(model, views, pages, pin, last, tokens, from_last, batch, seqs, targets=None):
@@ -263,17 +268,18 @@ class ModelRunner:
         self.pin = replicator(self.model)
         args, dtype = self.model.args, self.model.embed_tokens.weight.dtype
         self.slots, self.page_size, self.token_buckets = slots, page_size, tuple(token_buckets)
-        self.views = [PagedCache(getattr(self.model, "mesh", None)) for _ in self.model.layers]
+        self.kernel = uses_kernel(args.n_kv_heads, dtype, getattr(self.model, "mesh", None))
+        self.views = [PagedCache(getattr(self.model, "mesh", None), self.kernel) for _ in self.model.layers]
         for layer, view in zip(self.model.layers, self.views):
             layer.self_attn.kv_cache = view  # the model's fixed-slot caches go: the pages replace them
-        shape = (num_pages, page_size, 2 * args.n_kv_heads, args.head_dim)
+        head_dim = kernel_head_dim(args.head_dim) if self.kernel else args.head_dim  # the kernel's: padded to 128
+        shape = (num_pages, page_size, 2 * args.n_kv_heads, head_dim)
         spec = (None, None, "model" if "model" in self.mesh.axis_names else None, None)
         self.pages = [to_sharded(lambda index: torch.zeros([s.stop - s.start for s in index], dtype=dtype),
                                  self.mesh, spec, shape) for _ in self.model.layers]
         self.last = self.put(torch.zeros(slots + 1, dtype=torch.long))  # each slot's newest token; a spare row
         whole = pages_for(args.max_seq_len, page_size)
-        kernel = on_tpu() and kernel_fits(args.n_kv_heads // axis_size(self.mesh, "model"), args.head_dim, dtype)
-        self.page_buckets = (whole,) if kernel else doubling(1, whole)
+        self.page_buckets = (whole,) if self.kernel else doubling(1, whole)
         self.compile = compile
         self.program = compiled(step_program, len(self.shapes())) if compile else step_program
 

@@ -57,7 +57,8 @@ from .mesh import make_mesh, mesh_shape
 from .metrics import PEAK_FLOPS, count_compiles, mfu
 from .model import DTYPES
 from .optim import KINDS, AdamW, Adafactor, Schedule, clip_grad_norm
-from .attention import IMPLEMENTATIONS, default_implementation, implementation as attention_of, use as use_attention
+from .attention import IMPLEMENTATIONS, default_implementation, implementation as attention_of, ran as attention_ran, \
+    use as use_attention
 from .runlog import RunLog
 from .cli import ArgumentParser, int_list, user_errors
 from .runtime import chip, compile_cache_counters, compile_cache_summary, default_dtype, init_runtime
@@ -274,6 +275,7 @@ class TrainResult:
     tokens_per_sec_per_chip: float
     mfu: float              # None on CPU: MFU against a CPU has no meaningful peak
     stopped_early: bool = False  # SIGTERM / SIGHUP arrived: checkpointed at the end of a step and stopped
+    attention: str = None   # the attention that ran (attention.ran): "flash", "flash (192 padded to 256)", "blockwise", ...
 
 
 LR = {"adafactor": 1e-2, "adamw": 1e-3}  # default peak learning rates (Adafactor's is relative to each weight's RMS)
@@ -477,6 +479,10 @@ def setup(cfg):
         raise ValueError(f"a micro-batch of batch_size / grad_accum = {rows} rows cannot be split over the "
                          f"{k} devices of the batch axes; use a batch_size that is a multiple of {k * cfg.grad_accum}")
     attention = cfg.attention or default_implementation()
+    if cfg.scan_layers and attention == "flash":
+        raise ValueError("scan_layers with flash attention (the TPU's default): torch_xla 2.9's kernel cannot be traced "
+                         "by scan (its fake forward gives the log-sum-exp the wrong rank); use attention='blockwise' "
+                         "(--attention blockwise) with scan_layers, or leave scan_layers out")
     pack = cfg.pack if cfg.pack is not None else bool(cfg.sft) and attention != "eager" and not cfg.scan_layers
     return (dataclasses.replace(cfg, mesh=shape, dtype=dtype, lr=cfg.lr or LR[cfg.optimizer], attention=attention,
                                 pack=pack), mesh, config)
@@ -662,7 +668,7 @@ def train(cfg, group=None):
     tps = cfg.batch_size * cfg.seq_len * timed / (done - dispatched[start + 2]) / mesh.size() if timed > 0 else None
     peak = PEAK_FLOPS.get(chip())
     return TrainResult(model, optimizer, losses, val_losses, train_compiles, tps,
-                       mfu(tps, config, cfg.seq_len, peak) if peak and tps else None, stop)
+                       mfu(tps, config, cfg.seq_len, peak) if peak and tps else None, stop, attention_ran(model))
 
 
 class Clock:
@@ -840,7 +846,7 @@ def main(argv=None):
     if result.stopped_early:
         print(f"stop signal (SIGTERM or SIGHUP): saved a checkpoint at step {step}; resume with --resume")
     print(f"step {step}: train loss {result.losses[max(result.losses)]:.3f}, held-out loss {val:.3f} nats/byte; "
-          f"{result.train_compiles} training graphs compiled")
+          f"{result.train_compiles} training graphs compiled; attention: {result.attention}")
     if cfg.compile_cache:
         print(f"compile cache: {compile_cache_summary(compile_cache_counters())}")
     if result.tokens_per_sec_per_chip is None:

@@ -202,14 +202,24 @@ def test_flash_on_a_tpu_calls_the_kernel_with_table_2s_partition_spec(fake_tpu):
     assert call["partition_spec"] == batch_spec(("data", "model", None, None), mesh)  # Table 2's batch and heads
 
 
-def test_flash_falls_back_to_blockwise_where_the_kernel_cannot_run(fake_tpu, monkeypatch):
-    query, key, value = (torch.randn(1, heads, 100, 16) for heads in (4, 2, 2))  # 100: not a multiple of 128
-    out, _ = hf_attention(None, query, key, value, None, 0.25, implementation="flash")
-    assert not fake_tpu.calls and out.abs().sum() > 0
+def test_flash_pads_a_length_the_kernel_does_not_take_and_says_so(fake_tpu, monkeypatch):
+    """100 and 192 tokens run the kernel at 128 and 256 (never the blockwise loop), the padding a
+    segment of its own, the output cut back; the layer records the path. (Whether the kernel takes
+    a length, and that padding changes nothing: tests/test_tpu_kernels.py.)"""
+    for n, padded in ((100, 128), (192, 256)):
+        query, key, value = (torch.randn(1, heads, n, 16) for heads in (4, 2, 2))
+        layer = torch.nn.Module()
+        out, _ = hf_attention(layer, query, key, value, None, 0.25, implementation="flash",
+                              segment_ids=torch.zeros(1, n, dtype=torch.long))
+        call = fake_tpu.calls.pop()
+        assert call["q"] == (1, 4, padded, 16) and out.shape == (1, n, 4, 16)
+        assert call["q_segment_ids"][0, n:].eq(-1).all() and call["q_segment_ids"][0, :n].eq(0).all()
+        assert layer.attention_ran == f"flash ({n} padded to {padded})"
     monkeypatch.setattr(attention, "on_tpu", lambda: False)
     assert attention.default_implementation() == "blockwise"
-    hf_attention(None, *(torch.randn(1, h, 128, 16) for h in (4, 2, 2)), None, 0.25, implementation="flash")
-    assert not fake_tpu.calls  # a CPU never calls the kernel
+    layer = torch.nn.Module()
+    hf_attention(layer, *(torch.randn(1, h, 128, 16) for h in (4, 2, 2)), None, 0.25, implementation="flash")
+    assert not fake_tpu.calls and layer.attention_ran == "blockwise"  # a CPU never calls the kernel
 
 
 def test_a_model_on_a_faked_tpu_calls_the_kernel_in_every_layer(fake_tpu):
@@ -219,7 +229,7 @@ def test_a_model_on_a_faked_tpu_calls_the_kernel_in_every_layer(fake_tpu):
     forward_loss(model, ids)
     assert len(fake_tpu.calls) == model.config.num_hidden_layers
     assert all(c["partition_spec"] == batch_spec(("data", "model", None, None), mesh) for c in fake_tpu.calls)
-    assert attention.default_implementation() == "flash"
+    assert attention.default_implementation() == "flash" and attention.ran(model) == "flash"
 
 
 def test_use_bad_input():

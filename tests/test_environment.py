@@ -26,3 +26,11 @@ def test_environment_yml_and_pyproject_pin_the_same_versions():
     assert pins(pip_section) == pins(declared)
     assert pins(declared)["torch"] == pins(declared)["torch_xla"] == "2.9.0"
     assert any(r.startswith("torch_xla[tpu]") for r in pip_section)  # TPU VMs need libtpu
+
+
+def test_the_tpu_extra_brings_jax_for_the_pallas_kernels():
+    """flash attention (the TPU's training default) and the ragged kernel (serving) import JAX: the
+    versions of torch_xla 2.9's own 'pallas' extra, the same as the scan extra's."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    tpu, scan = pins(extras["tpu"]), pins(extras["scan"])
+    assert tpu["jax"] == tpu["jaxlib"] == scan["jax"] == scan["jaxlib"] == "0.7.1"

@@ -8,8 +8,9 @@ from llama_xla_helpers.kv_pages import ROOT, PagePool, page_hash, page_hashes, p
 
 
 def test_page_size_follows_vllms_rule_for_the_kernel():
-    # next_pow2(max_len) // 16, clamped to [16, 256]
-    assert [page_size_for(n) for n in (100, 256, 257, 768, 2048, 8192, 131072)] == [16, 16, 32, 64, 128, 256, 256]
+    # next_pow2(max_len) // 16, clamped to [16, 256]; above 8,192 tokens 16 (vLLM's VMEM fix)
+    assert [page_size_for(n) for n in (100, 256, 257, 768, 2048, 8192, 8193, 131072)] == \
+        [16, 16, 32, 64, 128, 256, 16, 16]
 
 
 def test_a_page_is_named_by_its_parent_its_tokens_and_extra_keys():

@@ -9,8 +9,8 @@ import torch_xla
 from torch_xla.experimental.custom_kernel import ragged_paged_attention
 
 from llama_xla_helpers import attention
-from llama_xla_helpers.attention import (RaggedBatch, gather_attention, kernel_fits, ragged_attention, ragged_batch,
-                                         write_pages)
+from llama_xla_helpers.attention import (RaggedBatch, gather_attention, kernel_fits, kernel_head_dim, paged_reference,
+                                         ragged_attention, ragged_batch, write_pages)
 from llama_xla_helpers.kv_pages import pages_for
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.runner import ragged_layout
@@ -51,6 +51,8 @@ def test_the_gather_path_equals_the_kernels_reference(seed, tokens):
                                  sm_scale=scale, use_kernel=False)  # torch_xla's PyTorch reference (needs JAX)
     assert ours.shape == q.shape and ref.shape[0] == used
     torch.testing.assert_close(ours[:used], ref, rtol=1e-5, atol=1e-5)
+    # what runs in the kernel's place off a TPU, from the kernel's own arguments
+    torch.testing.assert_close(paged_reference(q, pages, *batch[:4], scale)[:used], ref, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(ours).all()  # padding tokens read a real key: finite, so nothing NaN reaches a page
 
 
@@ -91,15 +93,15 @@ def test_keys_and_values_are_written_interleaved_on_the_head_axis():
 
 
 def test_the_kernels_constraints():
-    assert kernel_fits(8, 128, torch.bfloat16) and kernel_fits(1, 128, torch.bfloat16)  # Llama 3 8B; 8 KV heads over 8 chips
-    assert kernel_fits(2, 128, torch.float32) and not kernel_fits(3, 128, torch.float32)
-    assert not kernel_fits(8, 64, torch.bfloat16)  # head_dim 64: the gather path
+    assert kernel_fits(8, torch.bfloat16) and kernel_fits(1, torch.bfloat16)  # Llama 3 8B; 8 KV heads over 8 chips
+    assert kernel_fits(2, torch.float32) and not kernel_fits(3, torch.float32)
+    assert [kernel_head_dim(d) for d in (16, 64, 128, 192)] == [128, 128, 128, 256]  # padded to its lanes
 
 
 @pytest.fixture
 def fake_tpu(monkeypatch):
-    """attention.on_tpu() True, and torch_xla's kernel replaced by a recorder returning the reference's
-    shape (the kernel itself runs only on a TPU)."""
+    """attention's TPU paths, and torch_xla's kernel replaced by a recorder returning the reference's
+    shape (the kernel itself runs only on a TPU; tests/test_tpu_kernels.py lowers it for one)."""
     import torch_xla.experimental.custom_kernel as ck
     calls = []
 
@@ -108,23 +110,42 @@ def fake_tpu(monkeypatch):
         return torch.zeros_like(q)
 
     monkeypatch.setattr(attention, "on_tpu", lambda: True)
+    monkeypatch.setattr(attention, "kernels_execute", lambda: True)
     monkeypatch.setattr(ck, "ragged_paged_attention", kernel)
     return calls
 
 
-def test_on_a_tpu_the_kernel_gets_the_layout_and_elsewhere_the_gather_path_runs(fake_tpu):
+def test_on_a_tpu_the_kernel_gets_the_layout_and_head_dim_64_is_padded_to_128(fake_tpu):
     q, pages, batch, _ = random_step(3, heads=8, kv_heads=2, head_dim=128, tokens=8)
     dev = torch_xla.device()
     q, pages, batch = q.to(dev), pages.to(dev), RaggedBatch(*(t.to(dev) for t in batch))
     out = ragged_attention(q, pages, batch, 0.125)
     (kq, kpages, meta, kwargs), = fake_tpu
-    assert kq is q and kpages is pages and kwargs == {"sm_scale": 0.125}
-    assert [m is t for m, t in zip(meta, batch[:4])] == [True] * 4 and all(m.dtype == torch.int32 for m in meta)  # the kernel's JAX side takes int32
+    assert kq.shape == q.shape and kpages.shape == pages.shape and kwargs == {"sm_scale": 0.125}
+    assert all(torch.equal(m.cpu(), t.cpu()) for m, t in zip(meta, batch[:4]))  # the layout as built
+    assert all(m.dtype == torch.int32 for m in meta)  # the kernel's JAX side takes int32
     used = int(batch.cu_q_lens[-1].cpu())
     assert out.shape == q.shape and out.cpu()[used:].abs().sum() == 0
     fake_tpu.clear()
-    ragged_attention(q[:, :, :64].contiguous(), pages[..., :64].contiguous(), batch, 0.125)  # head_dim 64
-    assert fake_tpu == []
+    out = ragged_attention(q[:, :, :64].contiguous(), pages, batch, 0.125)  # head_dim 64, pages at the kernel's 128
+    (kq, kpages, _, kwargs), = fake_tpu
+    assert kq.shape == (8, 8, 128) and kq[..., 64:].cpu().abs().sum() == 0 and kwargs == {"sm_scale": 0.125}
+    assert out.shape == (8, 8, 64)
+
+
+def test_off_a_tpu_the_kernels_path_runs_the_reference_in_its_place_with_head_dim_padded(monkeypatch):
+    """The kernel's path (its op, padding and zeroed padding tokens) with `paged_reference` inside,
+    as a compiled step on a faked TPU runs it: the gather path's result, at head_dim 16 in pages
+    padded to 128."""
+    q, pages, batch, _ = random_step(4, heads=8, kv_heads=2, head_dim=16, tokens=32)
+    want = gather_attention(q, pages, batch, 0.25)
+    used = int(batch.cu_q_lens[-1])
+    monkeypatch.setattr(attention, "on_tpu", lambda: True)
+    dev = torch_xla.device()
+    padded = torch.nn.functional.pad(pages, (0, 112)).to(dev)
+    out = ragged_attention(q.to(dev), padded, RaggedBatch(*(t.to(dev) for t in batch)), 0.25).cpu()
+    torch.testing.assert_close(out[:used], want[:used], rtol=1e-5, atol=1e-5)
+    assert out[used:].abs().sum() == 0
 
 
 @pytest.mark.devices
