@@ -115,7 +115,7 @@ test-tpu:
 # Tests marked `variants` (extra bad-input launches, the serving benchmark's --quick run) run in make check-variants
 # only (variant-marked).
 $(PYTEST_PARTS): test-pytest-%:
-	$(TIMED) $(PY) -m pytest -q $(TESTS_$*) -m 'not variants'
+	$(TIMED) $(PY) -m pytest -q $(TESTS_$*) -m 'not variants' --durations=25
 
 # The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS). The bf16 parts
 # run what a TPU runs by default (LLAMA_XLA_DEFAULT_DTYPE=bf16): every test and every notebook (asserts

@@ -53,7 +53,6 @@ from .sharding import ACTIVATION_SPECS, batch_spec
 IMPLEMENTATIONS = ("eager", "blockwise", "flash")
 BLOCK = 512            # tokens per query block and per key block (the kernel's default blocks)
 FLASH_MIN_BLOCK = 128  # the kernel tiles the sequence in blocks of at least this many tokens (its lanes)
-LANES = 128            # the ragged kernel's head_dim: a smaller one is zero-padded to it (as vLLM does)
 
 
 def on_tpu():
@@ -340,7 +339,8 @@ def ragged_batch(layout, put=lambda t: t):
 def write_pages(pages, batch, k, v):
     """pages (num_pages, page_size, 2 * g, head_dim) with this step's keys and values k, v (T, g,
     head_dim, or less: zero-padded to the pages') written at `batch.slots`, interleaved on the head
-    axis as the kernel reads them (K of head h at 2h, V at 2h + 1). Out of place: the runner donates `pages`, so XLA writes in place.
+    axis as the kernel reads them (K of head h at 2h, V at 2h + 1). Out of place: the runner
+    donates `pages`, so XLA writes in place.
 
     A step of one token writes a second row, zeros into slot 0 (page 0, the padding's): XLA turns a
     one-row write into a dynamic-update-slice guarded by a bounds check, which copies the whole
@@ -372,16 +372,10 @@ def gather_attention(q, pages, batch, scale):
 def kernel_fits(n_kv_heads, dtype):
     """Whether torch_xla 2.9's ragged paged attention kernel takes a device's n_kv_heads: the K and
     V heads together, counted in 32-bit words, 1, 2, 4, 8 or a multiple of 8 (what Mosaic tiles
-    whole; `get_min_heads_per_blk`). Any head_dim: `kernel_head_dim` pads it to the kernel's lanes."""
+    whole; `get_min_heads_per_blk`). Any head_dim: the pages pad it to the kernel's lanes
+    (`metrics.kernel_head_dim`)."""
     words, rest = divmod(2 * n_kv_heads, 32 // torch.finfo(dtype).bits)  # 1 value per word in fp32, 2 in bf16
     return rest == 0 and (words in (1, 2, 4, 8) or words % 8 == 0)
-
-
-def kernel_head_dim(head_dim):
-    """The pages' head_dim on the kernel's path: a multiple of 128 (the kernel's lanes; 64 -> 128, as
-    vLLM pads it). The padding is zeros, so scores and outputs are the unpadded ones; the pool's
-    bytes grow by the same factor (Llama 3.2 1B's double)."""
-    return -(-head_dim // LANES) * LANES
 
 
 @torch.library.custom_op("llama_xla::ragged_paged_attention", mutates_args=())
@@ -393,14 +387,29 @@ def paged_kernel(q: torch.Tensor, pages: torch.Tensor, kv_lens: torch.Tensor, pa
     device runs it on its own query heads and their KV heads, as vLLM's TPU backend does. Where
     the kernel cannot execute (a CPU) `paged_reference` runs in its place."""
     from torch_xla.experimental.custom_kernel import ragged_paged_attention
-    kernel = partial(ragged_paged_attention, sm_scale=scale) if kernels_execute() else partial(paged_reference,
-                                                                                                 scale=scale)
+    kernel = partial(cached_payload(ragged_paged_attention), sm_scale=scale) if kernels_execute() else \
+        partial(paged_reference, scale=scale)
     meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
     mesh = Mesh.from_str(mesh) if mesh else None
     if mesh is not None and mesh.shape().get("model", 1) > 1:
         specs = ((None, "model", None), (None, None, "model", None)) + tuple((None,) * t.dim() for t in meta)
         kernel = per_device(kernel, mesh, specs, (None, "model", None))
     return kernel(q, pages, *meta)
+
+
+def cached_payload(wrapper):
+    """torch_xla's kernel wrapper `wrapper`, its JAX lowering kept per shape. Its ragged wrapper calls
+    trace_pallas without use_cache, so a lazy step (compile=False) would lower the kernel with JAX
+    again in every layer at every step; a compiled step runs the wrapper once per shape anyway."""
+    def run(*args, **kwargs):
+        import torch_xla.experimental.custom_kernel as ck
+        trace = ck.trace_pallas
+        ck.trace_pallas = partial(trace, use_cache=True)
+        try:
+            return wrapper(*args, **kwargs)
+        finally:
+            ck.trace_pallas = trace
+    return run
 
 
 @paged_kernel.register_fake
@@ -422,7 +431,7 @@ def paged_reference(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale)
 def kernel_attention(q, pages, batch, scale, mesh=""):
     """The ragged kernel (`paged_kernel`): (T, heads, head_dim). mesh: str(Mesh), or "" for none (a
     string: dynamo cannot trace str(mesh) inside a compiled step). q's head_dim is zero-padded to the
-    pages' (`kernel_head_dim`) and the output cut back; the padding tokens past the step's last
+    pages' (`metrics.kernel_head_dim`) and the output cut back; the padding tokens past the step's last
     sequence get zeros (the kernel leaves their rows unwritten)."""
     head_dim = q.shape[2]
     q = F.pad(q, (0, pages.shape[3] - head_dim))

@@ -127,15 +127,23 @@ def param_bytes(config, bytes_per_param=2):
     return math.ceil(param_count(config) * bytes_per_param)
 
 
-def kv_cache_bytes(config, batch_size, max_seq_len, bytes_per_value=2):
+def kv_cache_bytes(config, batch_size, max_seq_len, bytes_per_value=2, head_dim=None):
     """KV cache = layers * 2 (K and V) * batch * seq * n_kv_heads * head_dim * bytes.
 
     The LLaMA 65B latency post writes `dim` for n_kv_heads * head_dim, which is
     the same for multi-head attention; with GQA the cache shrinks by heads / kv_heads.
+    head_dim: the cache's, if not the config's (a TPU's pages hold `kernel_head_dim`).
     """
     _check_positive(batch_size=batch_size, max_seq_len=max_seq_len, bytes_per_value=bytes_per_value)
-    per_token = config.num_key_value_heads * config.head_dim * bytes_per_value
+    per_token = config.num_key_value_heads * (head_dim or config.head_dim) * bytes_per_value
     return config.num_hidden_layers * 2 * batch_size * max_seq_len * per_token
+
+
+def kernel_head_dim(head_dim):
+    """The head_dim of the serving engine's pages on a TPU: a multiple of 128, the ragged paged
+    attention kernel's lanes (64 -> 128, as vLLM pads it). The padding is zeros, so scores and
+    outputs are the unpadded ones; the cache's bytes grow by the same factor (Llama 3.2 1B's double)."""
+    return -(-head_dim // 128) * 128
 
 
 def min_chips(total_bytes, hbm_bytes, power_of_two=True):
@@ -155,11 +163,12 @@ def min_chips(total_bytes, hbm_bytes, power_of_two=True):
 def plan(config, chip, batch_size, max_seq_len, quantization="bf16"):
     """Serving memory plan: weights + bf16 KV cache, and the chips that hold them (LLaMA 65B latency post).
 
-    quantization is "bf16" (2 bytes/param), "int8" (1) or "int4" (0.5), weight-only.
+    quantization is "bf16" (2 bytes/param), "int8" (1) or "int4" (0.5), weight-only. The cache is
+    counted as the engine's pages hold it on a TPU, head_dim padded to 128 (`kernel_head_dim`).
     """
     hbm = _lookup(HBM_BYTES, chip, "chip")
     weights = param_bytes(config, _lookup(BYTES_PER_PARAM, quantization, "quantization"))
-    cache = kv_cache_bytes(config, batch_size, max_seq_len)
+    cache = kv_cache_bytes(config, batch_size, max_seq_len, head_dim=kernel_head_dim(config.head_dim))
     return {
         "chip": chip,
         "quantization": quantization,
@@ -337,7 +346,10 @@ def activation_bytes(config, batch, seq_len, dtype="bf16", remat=False, attentio
     remat=True (gradient checkpointing per decoder layer): each layer's input, L * p * b s d', plus
     the larger of the tail with its transients and one layer recomputed with its transients.
     Not counted: the int64 token ids, the causal mask (XLA builds it inside the fusions that read it),
-    RoPE's cos and sin (s * hd each), and XLA's own scratch (collective buffers, layout copies).
+    RoPE's cos and sin (s * hd each), and XLA's own scratch (collective buffers, layout copies); for
+    flash, torch_xla 2.9's backward transients (each row's max, sum and dO.O broadcast to 128 lanes,
+    fp32: 3 * 512 * b H' s bytes) and the padding of a length the kernel does not take
+    (`attention.flash_length`: 192 runs at 256).
     """
     _int_at_least_1(batch=(batch, "sequences per step, over all data shards"), seq_len=(seq_len, "tokens per sequence"),
                     data=(data, "ways the batch is split"), model=(model, "ways Table 2 splits the last dims"))

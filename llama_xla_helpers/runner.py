@@ -35,9 +35,9 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from .attention import (QUERY_BLOCK, gather_attention, kernel_attention, kernel_head_dim, ragged_batch, uses_kernel,
-                        write_pages)
+from .attention import QUERY_BLOCK, gather_attention, kernel_attention, ragged_batch, uses_kernel, write_pages
 from .kv_pages import pages_for
+from .metrics import kernel_head_dim
 from .mesh import make_mesh
 from .sampling import logprobs_of, sample_rows
 from .sharding import Constraint, to_sharded

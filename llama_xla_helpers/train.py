@@ -643,7 +643,8 @@ def train(cfg, group=None):
             stop = should_stop(step, got, cfg.log_every, group)
             if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
                 with clock.stopped():
-                    checkpoint.save(cfg.checkpoint_dir, step, saved(), optimizer, keep=cfg.keep, extra=extra)
+                    checkpoint.save(cfg.checkpoint_dir, step, saved(), optimizer, keep=cfg.keep,
+                                    extra=dict(extra, attention=attention_ran(model)))  # what ran, e.g. padded flash
                 rows = write_rows(log, rows, val_losses, count_compiles() - compiles, flush=True)
             if stop:  # preempted: this step is saved; stop here
                 break

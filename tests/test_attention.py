@@ -237,3 +237,5 @@ def test_use_bad_input():
         use(None, None, "sdpa")
     with pytest.raises(ValueError, match="attention=.*not one of"):
         setup(dataclasses.replace(SMALL, attention="flash2"))
+    with pytest.raises(ValueError, match=r"scan_layers with flash attention \(the TPU's default\).*--attention blockwise"):
+        setup(dataclasses.replace(SMALL, attention="flash", scan_layers=True))  # torch_xla's kernel cannot be scanned

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.metrics import (
     HBM_BYTES, PEAK_FLOPS, approx_params, compile_seconds, cost_per_1k_tokens, count_compiles, flops_per_token,
-    critical_batch, kv_cache_bytes, mfu, min_chips, param_bytes, param_count, plan, roofline,
+    critical_batch, kernel_head_dim, kv_cache_bytes, mfu, min_chips, param_bytes, param_count, plan, roofline,
 )
 
 GiB = 2**30
@@ -124,6 +124,16 @@ def test_table_2_total_gb(name):
     p = plan(cfg, "tpu-v4", batch_size=1, max_seq_len=256)
     assert p["total_bytes"] == p["weight_bytes"] + p["cache_bytes"] == param_bytes(cfg) + kv_cache_bytes(cfg, 1, 256)
     assert p["total_bytes"] / 1e9 == pytest.approx(TABLE_2[name][2], rel=0.09)
+
+
+def test_the_plan_counts_the_cache_as_a_tpus_pages_hold_it():
+    """The ragged kernel's pages hold head_dim 64 at 128: Llama 3.2 1B's cache counts double;
+    head_dim 128 (Llama 2 and 3 8B and up) is unchanged."""
+    small, large = get_config("llama3.2-1b"), get_config("llama3-8b")
+    assert [kernel_head_dim(d) for d in (16, 64, 128, 192)] == [128, 128, 128, 256]
+    assert plan(small, "tpu-v5e", 8, 2048)["cache_bytes"] == 2 * kv_cache_bytes(small, 8, 2048) == \
+        kv_cache_bytes(small, 8, 2048, head_dim=128)
+    assert plan(large, "tpu-v5e", 8, 2048)["cache_bytes"] == kv_cache_bytes(large, 8, 2048)
 
 
 def test_table_2_min_chips():

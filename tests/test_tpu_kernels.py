@@ -28,12 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
 
 from llama_xla_helpers import attention, doctor
-from llama_xla_helpers.attention import (blockwise_attention, flash_length, flash_takes, hf_attention,
-                                         kernel_head_dim, ragged_attention, ragged_batch)
+from llama_xla_helpers.attention import (blockwise_attention, flash_length, flash_takes, hf_attention, ragged_attention,
+                                         ragged_batch)
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.kv_pages import page_size_for, pages_for
 from llama_xla_helpers.mesh import make_mesh
-from llama_xla_helpers.metrics import count_compiles
+from llama_xla_helpers.metrics import count_compiles, kernel_head_dim
 from llama_xla_helpers.runner import ragged_layout
 from llama_xla_helpers.train import build_model, forward_loss
 from util import N, tp_size
@@ -223,6 +223,25 @@ def test_the_ragged_kernel_lowers_on_a_tensor_parallel_mesh(lowered, monkeypatch
     layout = ragged_layout([([1, 2], 100, 40)], 128, 64, 4, 16)
     q = torch.zeros(64, 32, 128, dtype=torch.bfloat16, device=dev)
     assert ragged_attention(q, pages, ragged_batch(layout, lambda t: t.to(dev)), 128 ** -0.5, mesh).shape == q.shape
+
+
+def test_a_lazy_step_asks_torch_xla_to_keep_the_ragged_kernels_lowering(lowered, monkeypatch):
+    """torch_xla's ragged wrapper lowers the kernel with JAX at every call unless trace_pallas is told
+    use_cache (its flash wrapper does); the package's op tells it, and puts trace_pallas back."""
+    asked = []
+
+    def trace(*args, use_cache=False, **kwargs):
+        asked.append(use_cache)
+        return tpu_trace_pallas(*args, **kwargs)
+
+    monkeypatch.setattr(ck, "trace_pallas", trace)
+    monkeypatch.setattr(rpa, "get_tpu_version", lambda: 6)
+    dev = torch_xla.device()
+    pages = torch.zeros(8, 16, 8, 128, device=dev)
+    layout = ragged_layout([([1], 3, 1)], 16, 4, 4, 2)
+    for _ in range(2):
+        ragged_attention(torch.zeros(4, 8, 128, device=dev), pages, ragged_batch(layout, lambda t: t.to(dev)), 0.1)
+    assert asked == [True, True] and ck.trace_pallas is trace
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (N // tp_size(4), tp_size(4))], ids=["unsharded", "tensor-parallel"])

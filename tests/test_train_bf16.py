@@ -92,5 +92,6 @@ def test_a_bf16_run_resumes_as_if_never_interrupted(tmp_path, monkeypatch, optio
     assert set(state.values()) == {torch.float32} and "master" in state
     meta = checkpoint.read_meta(checkpoint.latest(run.checkpoint_dir))
     assert meta["extra"]["dtypes"] == dict(parameters="bf16", compute="bf16", master_weights="fp32")
+    assert meta["extra"]["attention"] == resumed.attention == "blockwise"  # what ran (on a TPU: flash, or its padding)
     cfg, mesh, _ = setup(SMALL)
     assert set(step_dots(resumed.model, cfg, mesh)) == {"bf16"}
