@@ -32,7 +32,7 @@ from . import attention, runtime
 from .cli import ArgumentParser, add_compile_cache_args
 from .configs import get_config
 from .engine import Engine
-from .generate import Generator
+from .generate import Generator, greedy_check
 from .mesh import make_mesh, mesh_shape
 from .metrics import HBM_BANDWIDTH, PEAK_FLOPS
 from .model import Llama
@@ -44,6 +44,9 @@ from .sharding import to_sharded
 from .train import DTYPES, TrainConfig, train
 
 MIN_FRACTION_OF_PEAK = 0.1  # a TPU measured below this fraction of its published peak fails
+# Another program rounds differently: a greedy token whose top two logits are closer than this may
+# differ from the model's own choice, and is skipped when tokens are checked (generate.greedy_check).
+NEAR_TIE = {torch.float32: 0.01, torch.bfloat16: 0.25}
 NOT_FALLBACKS = {"aten::_local_scalar_dense"}  # `.item()` / `.tolist()`: a read of a device value
 
 
@@ -256,17 +259,19 @@ def check_kernels(args):
         raise CheckFailed("JAX is not installed, and torch_xla's flash and ragged paged attention kernels import "
                           "it") from None
     flash = check_flash(seq)
-    model = tiny_llama(4, 64, DTYPES[dtype_name(args)])
-    want, _ = Generator(tiny_llama(1, 64, DTYPES[dtype_name(args)]), buckets=(16,)).generate(prompts([5]), 6)
-    eng = Engine(model, slots=4, buckets=(16,), compile=True)
+    dtype = DTYPES[dtype_name(args)]
+    eng = Engine(tiny_llama(4, 64, dtype), slots=4, buckets=(16,), compile=True)
     eng.warmup()
-    got = eng.generate(prompts([5]), 6)[0]
     if not eng.runner.kernel:
         raise CheckFailed("the engine took the gather path for the tiny model (attention.uses_kernel)")
-    if got != want[0]:
-        raise CheckFailed(f"the compiled engine step on the ragged kernel gave {got}, Generator {want[0]}")
+    [prompt] = prompts([5])
+    [got] = eng.generate([prompt], 12)
+    differ, _ = greedy_check(tiny_llama(1, 64, dtype), prompt, got, NEAR_TIE[dtype])
+    if differ:
+        raise CheckFailed(f"the compiled engine step on the ragged kernel chose other tokens than the model's greedy "
+                          f"ones at positions {differ} of {got}")
     return (f"training at seq_len {seq}: {flash}; serving: the ragged paged attention kernel "
-            f"(compiled step, head_dim 16 padded to 128) gives Generator's tokens")
+            f"(compiled step, head_dim 16 padded to 128) gives the model's greedy tokens")
 
 
 def check_flash(seq_len):

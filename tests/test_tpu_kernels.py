@@ -266,8 +266,8 @@ def test_the_compiled_step_on_the_kernels_path_gives_the_gather_paths_tokens(mon
 def test_the_doctor_on_a_tpu_needs_jax_and_runs_both_kernels(monkeypatch):
     """On a (faked) TPU the doctor's kernel check fails without JAX, naming it; with it, it runs flash
     forward and backward at --seq-len against the blockwise loop (torch's SDPA in the kernel's place
-    here) and a compiled engine step on the ragged kernel's path (its reference here), and says
-    which path each ran."""
+    here) and a compiled engine step on the ragged kernel's path (its reference here), its tokens
+    checked teacher-forced (a TPU's bf16 programs round differently), and says which path each ran."""
     args = argparse.Namespace(seq_len=192, dtype=None)
     assert doctor.check_kernels(args).startswith("training at seq_len 192 attends blockwise, serving with the gather")
     monkeypatch.setattr(attention, "on_tpu", lambda: True)
@@ -282,4 +282,4 @@ def test_the_doctor_on_a_tpu_needs_jax_and_runs_both_kernels(monkeypatch):
     monkeypatch.setattr(ck, "flash_attention", kernel)
     assert doctor.check_kernels(args) == ("training at seq_len 192: flash (192 padded to 256); serving: the ragged "
                                           "paged attention kernel (compiled step, head_dim 16 padded to 128) gives "
-                                          "Generator's tokens")
+                                          "the model's greedy tokens")
