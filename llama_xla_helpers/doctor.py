@@ -247,8 +247,8 @@ def check_tensor_parallel(args):
 
 def check_kernels(args):
     """Which attention each path runs at --seq-len; on a TPU, that JAX is installed, one flash forward
-    and backward equals the blockwise loop, and one compiled engine step on the ragged kernel gives
-    Generator's tokens."""
+    and backward equals the blockwise loop, and a compiled engine run on the ragged kernel gives the
+    model's greedy tokens (teacher-forced, near-ties skipped)."""
     seq = args.seq_len
     if not attention.on_tpu():
         return (f"training at seq_len {seq} attends blockwise, serving with the gather path: the Pallas kernels "

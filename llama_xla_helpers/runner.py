@@ -197,7 +197,7 @@ class PagedCache(nn.Module):
     (num_pages, page_size, 2 * n_kv_heads, head_dim) are the pages handed in and `batch` the step's
     `attention.RaggedBatch`. `attend` writes the step's keys and values into their pages, out of
     place, keeping the result for the step to return, and attends over them: with the ragged
-    kernel if `kernel` (`attention.uses_kernel`), else the gather path (`attention.ragged_attention`)."""
+    kernel if `kernel` (`attention.uses_kernel`), else the gather path (`attention.gather_attention`)."""
 
     def __init__(self, mesh, kernel):
         super().__init__()
