@@ -1,6 +1,7 @@
-"""Training with blockwise attention follows eager attention: 5 steps' losses under 2D, FSDP, gradient
-checkpointing, scan and bf16, and the gradients under 2D and FSDP. Apart from test_attention.py because
-these compile the most (a process of their own in make test: Makefile, TESTS_OWN)."""
+"""Training with blockwise attention follows eager attention: 5 steps' losses under FSDP with gradient
+checkpointing and scan together (make test), and under 2D, FSDP, checkpointing, scan and bf16 one at a
+time (marked `variants`: make check-variants), and the gradients under 2D and FSDP. Apart from
+test_attention.py because these compile the most (a process of their own in make test: Makefile, TESTS_OWN)."""
 import dataclasses
 
 import pytest
@@ -15,16 +16,18 @@ from test_attention import GRAD_TOL, LOSS_TOL, SMALL
 LOSS_TOL_BF16 = 2e-2  # LOSS_TOL in bf16 (8-bit mantissas: about 4e-3 relative per rounding)
 
 TRAINING = {  # name -> what differs from SMALL
+    "fsdp+checkpointing+scan": {"strategy": "fsdp", "gradient_checkpointing": True, "scan_layers": True},
     "2d": {},
     "fsdp": {"strategy": "fsdp"},
     "checkpointing": {"gradient_checkpointing": True},
     "scan": {"scan_layers": True},
     "bf16": {"dtype": "bf16"},
 }
+COMBINED = "fsdp+checkpointing+scan"  # the one make test runs: each option's code path in one run (200 s less)
 
 
 @pytest.mark.devices
-@pytest.mark.parametrize("case", TRAINING)
+@pytest.mark.parametrize("case", [c if c == COMBINED else pytest.param(c, marks=pytest.mark.variants) for c in TRAINING])
 def test_training_with_blockwise_attention_follows_eager(case, monkeypatch):
     monkeypatch.setattr(attention, "BLOCK", 8)  # 4 x 4 blocks of a 32-token row
     cfg = dataclasses.replace(SMALL, **TRAINING[case])

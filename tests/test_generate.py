@@ -75,7 +75,8 @@ def test_kv_buckets_double_up_to_the_cache_and_prefill_shapes_cover_every_sectio
     assert prefill_shapes((16, 32), 128) == [(16, 16), (32, 32), (32, 64), (32, 128)]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# MHA (Llama 2 7B's layout) is GQA with one query head per KV head: make check-variants runs it.
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.variants) if v == "mha" else v for v in VARIANTS])
 def test_greedy_matches_hugging_face(variant):
     hf, expected = reference(variant)
     model = Llama.from_hf(hf, max_batch_size=len(LENGTHS), max_seq_len=MAX_SEQ_LEN)

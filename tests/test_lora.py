@@ -15,7 +15,7 @@ from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import StepSampler, load_corpus, train_val_split
 from llama_xla_helpers.model import Llama, ModelArgs
 from llama_xla_helpers.train import ADAPTER_DIR, TrainConfig, lora_config, main, make_optimizer, optimizer_step, train
-from util import N, hf_model, preempted, shapes_2d
+from util import N, hf_model, preempted, sharded_runs
 
 TINY = get_config("tiny")
 RANK = 4
@@ -136,7 +136,7 @@ def test_the_cli_refuses_lora_without_a_base_or_with_unknown_targets(capsys, bas
 
 
 @pytest.mark.devices
-@pytest.mark.parametrize("strategy, mesh", [("2d", shape) for shape in shapes_2d()] + [("fsdp", (N, 1))])
+@pytest.mark.parametrize("strategy, mesh", sharded_runs())
 def test_sharded_lora_training_matches_unsharded(strategy, mesh, base):
     cfg = lora_run(base, strategy=strategy, mesh=mesh)
     want = cpu_lora_losses(cfg)

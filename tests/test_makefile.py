@@ -4,6 +4,7 @@ the TPU plan, and the choice of interpreter for .venv.
 `make -n` prints the commands a target would run without running them; each command that executes
 notebooks (nbconvert or nbval) is read for the variables it sets in front of the interpreter.
 """
+import json
 import os
 import re
 import shutil
@@ -44,12 +45,29 @@ def test_make_test_runs_the_notebooks_with_the_tours_variables():
     assert tour and {kind for kind, _ in tour} == {"nbconvert"}
     [tour_vars] = {names for _, names in tour}
     test = notebook_runs("test", "TPU=")
-    assert {kind for kind, _ in test} == {"nbval", "nbconvert"}, test
-    for kind, names in test:
-        if kind == "nbval":  # compares the committed outputs: exactly the tour's variables
-            assert names == tour_vars, f"nbval sets {sorted(names)}, the tour {sorted(tour_vars)}"
-        else:  # a run at another device count (asserts only) adds the count and nothing else
-            assert names - {"CPU_NUM_DEVICES"} == tour_vars, f"{sorted(names)} vs the tour's {sorted(tour_vars)}"
+    assert test and {kind for kind, _ in test} == {"nbval"}, test
+    for _, names in test:  # compares the committed outputs: exactly the tour's variables
+        assert names == tour_vars, f"nbval sets {sorted(names)}, the tour {sorted(tour_vars)}"
+    executed = [names for kind, names in notebook_runs("check-variants", "TPU=") if kind == "nbconvert"]
+    assert executed
+    for names in executed:  # a run at another device count or dtype (asserts only) adds that and nothing else
+        assert len(names - tour_vars) == 1 and names - tour_vars <= {"CPU_NUM_DEVICES", "LLAMA_XLA_DEFAULT_DTYPE"}, \
+            f"{sorted(names)} vs the tour's {sorted(tour_vars)}"
+
+
+def test_each_notebook_runs_in_exactly_one_nbval_part_after_the_notebooks_it_reads():
+    """make test splits nbval into processes with their own output folders (Makefile: NBVAL_GROUPS): a notebook
+    that reads another's checkpoint (04-06 read 03's "03_tiny_hf") must run after it, in the same part."""
+    plan = make_n("test", "TPU=").stdout
+    parts = [line.split() for line in re.findall(r"--nbval-cell-timeout=\d+ ((?:notebooks/\S+\.ipynb ?)+)", plan)]
+    notebooks = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert len(parts) > 1 and sorted(nb for part in parts for nb in part) == notebooks
+    for part in parts:
+        for i, nb in enumerate(part):
+            code = "".join("".join(c["source"]) for c in json.loads((ROOT / nb).read_text())["cells"]
+                           if c["cell_type"] == "code")
+            if '"03_tiny_hf"' in code and not nb.startswith("notebooks/03_"):
+                assert "notebooks/03_training_2d.ipynb" in part[:i], (nb, part)
 
 
 def test_the_tpu_plan_runs_one_part_at_a_time_and_compares_no_cpu_outputs():

@@ -16,7 +16,7 @@ from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, train_val_split
 from llama_xla_helpers.train import (Adafactor, TrainConfig, _parse_args, init_tile, init_weights, main,
                                      make_optimizer, optimizer_step, should_stop, stop_signals, train, train_step)
-from util import N, shapes_2d
+from util import N, sharded_runs
 
 # Small and quick: 2 steps compile, the rest reuse the graph. The mesh is picked for the devices there are.
 SMALL = TrainConfig(steps=4, batch_size=max(8, N), seq_len=32, eval_batches=2)
@@ -131,9 +131,10 @@ def test_adafactor_matches_transformers_adafactor():
 
 
 @pytest.mark.devices
-@pytest.mark.parametrize("strategy, mesh, options", [("2d", None, {}), ("fsdp", (N, 1), {})])
+@pytest.mark.parametrize("strategy, mesh, options", [pytest.param("2d", None, {}, marks=pytest.mark.variants),
+                                                     ("fsdp", (N, 1), {})])
 def test_training_compiles_two_graphs_however_many_steps(strategy, mesh, options):
-    """(test_loop.py runs it with OPTIONS.)"""
+    """(test_loop.py runs it under 2D with OPTIONS, so make test leaves out 2D without them: check-variants.)"""
     # A shape no other test uses, so the graphs are compiled here and not taken from the cache.
     result = train(dataclasses.replace(SMALL, steps=8, seq_len=40, log_every=3, strategy=strategy, mesh=mesh,
                                        **options))
@@ -153,11 +154,11 @@ def test_same_seed_same_losses():
 
 
 @pytest.mark.devices
-@pytest.mark.parametrize("strategy, mesh, options", [("2d", shape, {}) for shape in shapes_2d()] + [("fsdp", (N, 1), {})])
-def test_sharded_training_matches_unsharded(strategy, mesh, options):
+@pytest.mark.parametrize("strategy, mesh", sharded_runs())
+def test_sharded_training_matches_unsharded(strategy, mesh, options=None):
     """(test_loop.py runs it with OPTIONS: there the CPU reference runs each step's batch whole, the
     sharded run in 2 micro-batches.)"""
-    cfg = dataclasses.replace(SMALL_FP32, strategy=strategy, mesh=mesh, **options)
+    cfg = dataclasses.replace(SMALL_FP32, strategy=strategy, mesh=mesh, **(options or {}))
     want = cpu_losses(cfg)
     got = train(cfg).losses
     assert list(got) == list(want)

@@ -21,12 +21,15 @@ def tp_size(limit=8):
     return max(k for k in range(1, limit + 1) if N % k == 0 and limit % k == 0)
 
 
-def shapes_2d():
-    """Distinct (data, model) mesh shapes for the tiny model on N devices: all on 'data', the
-    automatic pick, and the widest 'model' axis the tiny model allows."""
+def sharded_runs():
+    """(strategy, mesh) params of a sharded-equals-unsharded test on N devices: 2D on the automatic pick
+    and FSDP; then 2D all on 'data' and on the widest 'model' axis the tiny model allows, marked
+    `variants` (make check-variants runs them, and all four at 1, 4 and 16 devices)."""
     from llama_xla_helpers.configs import get_config
     from llama_xla_helpers.mesh import mesh_shape
-    return list(dict.fromkeys([(N, 1), mesh_shape(N, get_config("tiny")), (N // tp_size(4), tp_size(4))]))
+    auto = mesh_shape(N, get_config("tiny"))
+    others = [s for s in dict.fromkeys([(N, 1), (N // tp_size(4), tp_size(4))]) if s != auto]
+    return [("2d", auto), ("fsdp", (N, 1))] + [pytest.param("2d", s, marks=pytest.mark.variants) for s in others]
 
 
 def teacher_forced_agreement(reference, other, tokens, generated_from):
