@@ -10,7 +10,7 @@
 PY := .venv/bin/python
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 EXECUTE := $(PY) -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1800
-NBVAL := $(PY) -m pytest -q --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
+NBVAL := $(PY) -m pytest -q --durations=15 --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
 	--nbval-cell-timeout=1800
 export TF_CPP_MIN_LOG_LEVEL := 2
 comma := ,
@@ -69,12 +69,13 @@ TESTS_d := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[t-z]*.py)))
 # One part per file of TESTS_OWN, named after it (test-pytest-loop runs tests/test_loop.py).
 OWN := $(TESTS_OWN:tests/test_%.py=%)
 $(foreach f,$(OWN),$(eval TESTS_$(f) := tests/test_$(f).py))
-# The longest first (measured: b about 760 s, a 540, the files of TESTS_OWN 100 to 300 each, c and d 220).
+# The longest first (measured in make test on 2026-11-27, a slow day: a 739 s, b 628, loop 434, engine 377,
+# d 317, train 251, c 224, attention_training 141, scan 131).
 PYTEST_PARTS := test-pytest-b test-pytest-a $(OWN:%=test-pytest-%) test-pytest-c test-pytest-d
 
 # nbval in three processes, each a group of notebooks with its own output folder; a notebook whose
-# checkpoint others read runs before them in their group (04, 05 and 06 read 03's). Groups balanced by the
-# tour's seconds (03-06 about 550, 09 with 01-02 about 350, the rest about 350).
+# checkpoint others read runs before them in their group (04, 05 and 06 read 03's). Measured in make test
+# (beside another part): 03-06 957 s, 01, 02 and 09 655 s, the rest 546 s.
 NBVAL_GROUPS := 03 09 rest
 NBVAL_03 := $(filter notebooks/03_% notebooks/04_% notebooks/05_% notebooks/06_%,$(NOTEBOOKS))
 NBVAL_09 := $(filter notebooks/01_% notebooks/02_% notebooks/09_%,$(NOTEBOOKS))
