@@ -69,13 +69,13 @@ TESTS_d := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[t-z]*.py)))
 # One part per file of TESTS_OWN, named after it (test-pytest-loop runs tests/test_loop.py).
 OWN := $(TESTS_OWN:tests/test_%.py=%)
 $(foreach f,$(OWN),$(eval TESTS_$(f) := tests/test_$(f).py))
-# The longest first (measured in make test on 2026-11-27, a slow day: a 739 s, b 628, loop 434, engine 377,
-# d 317, train 251, c 224, attention_training 141, scan 131).
+# The longest first (measured in make test on 2026-11-27: b 591 s, a 559, loop 364, d 325, engine 303,
+# c 216, train 206, attention_training 130, scan 115).
 PYTEST_PARTS := test-pytest-b test-pytest-a $(OWN:%=test-pytest-%) test-pytest-c test-pytest-d
 
 # nbval in three processes, each a group of notebooks with its own output folder; a notebook whose
 # checkpoint others read runs before them in their group (04, 05 and 06 read 03's). Measured in make test
-# (beside another part): 03-06 957 s, 01, 02 and 09 655 s, the rest 546 s.
+# (beside another part): 03-06 857 s, 01, 02 and 09 450 s, the rest 439 s.
 NBVAL_GROUPS := 03 09 rest
 NBVAL_03 := $(filter notebooks/03_% notebooks/04_% notebooks/05_% notebooks/06_%,$(NOTEBOOKS))
 NBVAL_09 := $(filter notebooks/01_% notebooks/02_% notebooks/09_%,$(NOTEBOOKS))
