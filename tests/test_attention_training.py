@@ -1,6 +1,7 @@
 """Training with blockwise attention follows eager attention: 5 steps' losses under FSDP with gradient
-checkpointing and scan together (make test), and under 2D, FSDP, checkpointing, scan and bf16 one at a
-time (marked `variants`: make check-variants), and the gradients under 2D and FSDP. Apart from
+checkpointing and scan together (make test, and at 1, 4 and 16 devices), and under 2D, FSDP,
+checkpointing, scan and bf16 one at a time (marked `variants`: make check-variants at 8 devices), and the
+gradients under 2D and FSDP. Apart from
 test_attention.py because these compile the most (a process of their own in make test: Makefile, TESTS_OWN)."""
 import dataclasses
 
@@ -23,11 +24,14 @@ TRAINING = {  # name -> what differs from SMALL
     "scan": {"scan_layers": True},
     "bf16": {"dtype": "bf16"},
 }
-COMBINED = "fsdp+checkpointing+scan"  # the one make test runs: each option's code path in one run (200 s less)
+# The combined configuration runs in make test and at every device count (`devices`); each option alone
+# runs at 8 devices in make check-variants (`variants`): one process compiling all six at 4 devices passed
+# vm.max_map_count (conftest.py stopped it).
+COMBINED = "fsdp+checkpointing+scan"
 
 
-@pytest.mark.devices
-@pytest.mark.parametrize("case", [c if c == COMBINED else pytest.param(c, marks=pytest.mark.variants) for c in TRAINING])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.devices if c == COMBINED else pytest.mark.variants)
+                                  for c in TRAINING])
 def test_training_with_blockwise_attention_follows_eager(case, monkeypatch):
     monkeypatch.setattr(attention, "BLOCK", 8)  # 4 x 4 blocks of a 32-token row
     cfg = dataclasses.replace(SMALL, **TRAINING[case])
