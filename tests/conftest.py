@@ -1,6 +1,8 @@
+import os
+
 import pytest
 import torch_xla.backends
-from llama_xla_helpers.runtime import init_runtime
+from llama_xla_helpers.runtime import DTYPE_VAR, init_runtime
 
 # One runtime per test process: CPU_NUM_DEVICES (default 8) virtual CPU devices (or the TPU),
 # compiled HLO dumped to a temporary folder (removed at exit) so tests can read the collectives.
@@ -37,8 +39,18 @@ def mapped_regions():
 GROWTH = [0]  # the most regions one test has added in this process
 
 
+# A test marked `fixed_dtype` says the default dtype never reaches it (it pins fp32, or builds nothing that asks),
+# so check-variants' bf16 parts, which change only that default, skip it as a repetition. The mark is checked on
+# every run: while such a test runs (its fixtures and child processes too), LLAMA_XLA_DEFAULT_DTYPE holds a value
+# that runtime.default_dtype() refuses, so a test that does read the default fails, naming the variable.
+NOT_A_DTYPE = "none: this test is marked fixed_dtype"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    saved = os.environ.get(DTYPE_VAR)
+    if item.get_closest_marker("fixed_dtype"):
+        os.environ[DTYPE_VAR] = NOT_A_DTYPE
     # XLA:CPU keeps every program it compiled mapped; past the limit the process crashes (a segfault) in
     # whichever test crosses it. Stop before a test that could cross it, saying why and what to do.
     before = mapped_regions()
@@ -48,6 +60,9 @@ def pytest_runtest_protocol(item, nextitem):
                     "every compiled program mapped: run fewer test files in one process (Makefile: TESTS_OWN)",
                     returncode=3)
     yield
+    os.environ.pop(DTYPE_VAR, None)
+    if saved is not None:
+        os.environ[DTYPE_VAR] = saved
     after = mapped_regions()
     if before and after:
         GROWTH[0] = max(GROWTH[0], after[0] - before[0])

@@ -19,6 +19,8 @@ from llama_xla_helpers.tokenizer import small_tokenizer, tokenizer_and_config
 from llama_xla_helpers.train import TrainConfig, build_model, forward_loss, setup
 from util import N
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 # Tolerances fixed before measuring: fp32 blockwise sums the softmax in another order than eager.
 LOSS_TOL = 1e-5   # absolute, on each of 5 training steps' losses
 GRAD_TOL = 1e-4   # of each parameter's largest gradient, on the largest difference

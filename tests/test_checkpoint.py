@@ -20,6 +20,8 @@ from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.sharding import shard_activations, shard_params
 from llama_xla_helpers.train import Adafactor
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 spec = torch_xla._XLAC._get_xla_sharding_spec
 
 

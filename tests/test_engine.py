@@ -21,6 +21,8 @@ from llama_xla_helpers.kv_pages import PagePool
 from llama_xla_helpers.scheduler import Scheduler, replay
 from util import N, hf_model, teacher_forced_agreement, tp_size
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 BUCKETS = (16, 32)  # a step's token counts: its budget is 32
 MAX_SEQ_LEN = 128  # pages of 16 positions (kv_pages.page_size_for)
 LENGTHS = (5, 20, 40, 3, 31, 12, 33)  # 40 and 33 are prefilled in two chunks at least

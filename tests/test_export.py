@@ -22,6 +22,8 @@ from llama_xla_helpers.model import Llama, ModelArgs
 from test_cli import cli, one_error_line
 from util import hf_model
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 CONFIG = get_config("tiny", num_hidden_layers=2, initializer_range=0.2)
 BUCKETS, MAX_SEQ_LEN, NEW_TOKENS = (8, 16), 40, 4
 TWO_SECTIONS = [list(range(5, 25)), [7, 3, 9]]  # 20 tokens: sections [8, 16]; row 1 is left-padded

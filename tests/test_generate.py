@@ -17,6 +17,8 @@ from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
 from util import hf_model, teacher_forced_agreement
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 BUCKETS = (16, 32, 64, 128)
 # 150 > the largest bucket: sections [32, 128] (two bucket graphs), 160 padded slots.
 LENGTHS = (5, 127, 128, 129, 150)

@@ -19,6 +19,8 @@ from llama_xla_helpers.hlo import (BUFFER_ASSIGNMENT, aliased_parameters, check_
                                    instructions, op_count, partitioner_warnings, temp_bytes)
 from llama_xla_helpers.mesh import make_mesh
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 # One collective per case, as (HLO lines, its op, bytes of its output per device). Every async
 # case has its -done (or async-done) line too: it must not be counted.
 ASYNC = {

@@ -18,6 +18,8 @@ from llama_xla_helpers.metrics import (
     critical_batch, kernel_head_dim, kv_cache_bytes, mfu, min_chips, param_bytes, param_count, plan, roofline,
 )
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 GiB = 2**30
 
 

@@ -10,6 +10,8 @@ from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.model import Linear, Llama, ModelArgs, rope_frequencies
 from util import hf_model
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 ATOL = 1e-4
 # Llama 3.1's scaling with a short original context, so it changes the frequencies that
 # matter for sequences of a few dozen tokens.

@@ -15,6 +15,8 @@ from llama_xla_helpers.kv_pages import pages_for
 from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.runner import ragged_layout
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 
 def random_step(seed, heads=4, kv_heads=2, head_dim=8, page_size=4, num_pages=40, seqs=5, tokens=32,
                 dtype=torch.float32):

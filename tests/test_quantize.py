@@ -17,6 +17,8 @@ from llama_xla_helpers.quantize import (
 from llama_xla_helpers.generate import Generator
 from util import hf_model, teacher_forced_agreement
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 SEQ = 64
 BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

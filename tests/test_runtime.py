@@ -85,6 +85,17 @@ def test_a_bad_default_dtype_names_the_variable_and_the_choices(monkeypatch):
         runtime.default_dtype()
 
 
+@pytest.mark.fixed_dtype
+def test_a_test_marked_fixed_dtype_fails_if_it_reads_the_default_dtype():
+    """conftest's check of the mark that check-variants' bf16 parts skip: in such a test (and its child
+    processes) the default dtype is an error, so a test that wrongly says it never reads it fails."""
+    with pytest.raises(ValueError, match="LLAMA_XLA_DEFAULT_DTYPE='none: this test is marked fixed_dtype'"):
+        runtime.default_dtype()
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['LLAMA_XLA_DEFAULT_DTYPE'])"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "none: this test is marked fixed_dtype"
+
+
 @pytest.mark.parametrize("accelerator, expected", [
     ("v4-8", "tpu-v4"), ("v4-16", "tpu-v4"), ("v5litepod-8", "tpu-v5e"), ("v5litepod-4", "tpu-v5e"),
     ("v5p-8", "tpu-v5p"), ("v6e-4", "tpu-v6e"), ("v6e-8", "tpu-v6e"), ("v3-8", None)])

@@ -17,6 +17,8 @@ from llama_xla_helpers.sharding import (INPUT_SPEC, Constraint, device_blocks, i
                                         shard_activations, shard_params, shard_shape, sharded_loader)
 from util import N, eight_devices, hf_model
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 # Tiny configs: 8 heads so every model axis up to 8 divides them; MHA and GQA.
 CONFIGS = {"mha": get_config("tiny", num_hidden_layers=2, num_key_value_heads=8),

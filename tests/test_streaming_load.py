@@ -15,6 +15,8 @@ from llama_xla_helpers.model import Llama
 from llama_xla_helpers.sharding import axis_size, shard_activations, shard_params, to_sharded
 from llama_xla_helpers.train import Adafactor, build_model, train_step
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 CONFIG = get_config("tiny", num_hidden_layers=2)
 
 

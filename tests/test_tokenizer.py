@@ -13,6 +13,8 @@ from llama_xla_helpers.generate import llama3_chat
 from llama_xla_helpers.tokenizer import (ByteTokenizer, check_vocab, get_tokenizer, padded_vocab_size, small_tokenizer,
                                          tokenizer_and_config)
 
+pytestmark = pytest.mark.fixed_dtype  # no test here reads the default dtype (conftest checks)
+
 
 @pytest.fixture(scope="module")
 def tok():
