@@ -79,8 +79,8 @@ HEADS = {"gqa-128": (8, 2, 128), "mha-64": (4, 4, 64)}  # (query heads, KV heads
 def test_flash_lowers_for_the_tpu_forward_and_backward(lowered, seq_len):
     """What hf_attention hands torch_xla's kernel at every length people train at (192, 384, 768
     and 1,536 padded up), packed and not, GQA and not, head_dim 64 and 128, fp32 and bf16, on Table
-    2's partition spec: the forward and both backward kernels lower. (bc9b8b6 raised at 192, 384,
-    768, 1,536, and packed at 768.)"""
+    2's partition spec: the forward and both backward kernels lower. (bc9b8b6 raised at 384, 768 and
+    1,536, and packed at 768; at 192 it ran the blockwise loop instead, saying flash.)"""
     mesh, dev = mesh_2d(), torch_xla.device()
     bsz = mesh.shape()["data"]
     for (heads, kv_heads, head_dim), packed, dtype in itertools.product(
@@ -191,18 +191,22 @@ SERVED = {"llama3-8b": (32, 8, 128, torch.bfloat16), "llama3.2-1b": (32, 8, 64, 
           "tiny": (8, 4, 16, torch.float32)}
 
 
+MAX_LENS = (256, 512, 1024, 2048, 8192, 131072)  # every page size page_size_for gives (test_kv_pages)
+
+
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_the_ragged_kernel_lowers_for_each_generation_model_and_page_size(lowered, monkeypatch, generation):
     """The serving step's call (`ragged_attention` with `ragged_layout`'s arguments and the pages
     the runner allocates, head_dim padded to 128) lowers for the TPU for the page sizes
-    `page_size_for` gives up to 131,072 tokens: a decode step and a mixed prefill step. (bc9b8b6
-    sent head_dim 64 to the gather path; the kernel's own check rejects it unpadded.)"""
+    `page_size_for` gives up to 131,072 tokens (16, 32, 64, 128, 256, and 16 again past 8,192): a
+    decode step and a mixed prefill step. (bc9b8b6 sent head_dim 64 to the gather path; the
+    kernel's own check rejects it unpadded.)"""
     version, name = GENERATIONS[generation]
     monkeypatch.setattr(rpa, "get_tpu_version", lambda: version)
     monkeypatch.setattr(rpa, "get_device_name", lambda num_devices=None: name)
     jax.clear_caches()  # the kernel is a jax.jit: its block sizes, chosen per generation, would come from the cache
     dev = torch_xla.device()
-    for (heads, kv_heads, head_dim, dtype), max_len in itertools.product(SERVED.values(), (256, 2048, 8192, 131072)):
+    for (heads, kv_heads, head_dim, dtype), max_len in itertools.product(SERVED.values(), MAX_LENS):
         ps = page_size_for(max_len)
         pages = torch.zeros(64, ps, 2 * kv_heads, kernel_head_dim(head_dim), dtype=dtype, device=dev)
         for tokens, runs in ((4, [(5, 1), (ps + 1, 1)]), (64, [(0, 40), (3, 1)])):  # (start, n): decode; mixed
