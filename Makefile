@@ -69,13 +69,13 @@ TESTS_d := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[t-z]*.py)))
 # One part per file of TESTS_OWN, named after it (test-pytest-loop runs tests/test_loop.py).
 OWN := $(TESTS_OWN:tests/test_%.py=%)
 $(foreach f,$(OWN),$(eval TESTS_$(f) := tests/test_$(f).py))
-# The longest first (measured in make test on 2026-11-27: b 591 s, a 559, loop 364, d 325, engine 303,
-# c 216, train 206, attention_training 130, scan 115).
-PYTEST_PARTS := test-pytest-b test-pytest-a $(OWN:%=test-pytest-%) test-pytest-c test-pytest-d
+# The longest first (measured in make test on 2026-11-28: a 518 s, b 506, loop 312, engine 267, d 219,
+# train 183, c 171, attention_training 105, scan 92).
+PYTEST_PARTS := test-pytest-b test-pytest-a $(OWN:%=test-pytest-%) test-pytest-d test-pytest-c
 
 # nbval in three processes, each a group of notebooks with its own output folder; a notebook whose
 # checkpoint others read runs before them in their group (04, 05 and 06 read 03's). Measured in make test
-# (beside another part): 03-06 857 s, 01, 02 and 09 450 s, the rest 439 s.
+# (beside another part, 2026-11-28): 03-06 726 s, 01, 02 and 09 366 s, the rest 366 s.
 NBVAL_GROUPS := 03 09 rest
 NBVAL_03 := $(filter notebooks/03_% notebooks/04_% notebooks/05_% notebooks/06_%,$(NOTEBOOKS))
 NBVAL_09 := $(filter notebooks/01_% notebooks/02_% notebooks/09_%,$(NOTEBOOKS))
