@@ -3,9 +3,9 @@
     cfg = get_config("llama2-70b")                 # published dims
     cfg = get_config("tiny", num_key_value_heads=8)  # any LlamaConfig field can be overridden
 
-Only `tiny` is small enough to instantiate on a CPU; the others are for sizing
-(metrics.plan, metrics.flops_per_token), for meta-device sharding demos, and (`llama3.2-1b`, the
-mid-size one) for training on a TPU. `llama-175b` is
+Only `tiny` (and `micro`, tiny with 2 layers, for the tests) is small enough to instantiate on a
+CPU; the others are for sizing (metrics.plan, metrics.flops_per_token), for meta-device sharding
+demos, and (`llama3.2-1b`, the mid-size one) for training on a TPU. `llama-175b` is
 the hypothetical model of the LLaMA 65B latency post: "The Path to Achieve Ultra-Low Inference
 Latency With LLaMA 65B on PyTorch/XLA", PyTorch blog,
 https://pytorch.org/blog/path-achieve-low-inference-latency/
@@ -21,16 +21,20 @@ from transformers import LlamaConfig, PretrainedConfig
 # Transformers 5 keeps RoPE's base (theta) and any long-context scaling in `rope_parameters`.
 ROPE_10K = dict(rope_type="default", rope_theta=10000.0)
 
+# Byte-level model for CPU runs: 256 byte ids + BOS (256) + EOS (257), padded to 264 so every mesh
+# axis up to 8 divides the vocabulary; MLP width 384 so int4 groups of 32, 64 and 128 divide it.
+TINY = dict(
+    vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+    rope_parameters=ROPE_10K, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    bos_token_id=256, eos_token_id=257, pad_token_id=None,
+)
+
 CONFIGS = {
-    # Byte-level model for CPU runs: 256 byte ids + BOS (256) + EOS (257), padded to 264 so
-    # every mesh axis up to 8 divides the vocabulary; MLP width 384 so int4 groups of 32, 64
-    # and 128 divide it.
-    "tiny": dict(
-        vocab_size=264, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-        rope_parameters=ROPE_10K, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=256, eos_token_id=257, pad_token_id=None,
-    ),
+    "tiny": TINY,
+    # tiny with 2 layers: what a check of the machinery trains (the tests), where the layer count is not
+    # the point; XLA:CPU compiles its training step in about 70% of tiny's time.
+    "micro": dict(TINY, num_hidden_layers=2),
     # LLaMA 1 (Touvron et al. 2023, Table 2).
     "llama-7b": dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

@@ -133,7 +133,7 @@ def test_segment_ids_keep_packed_documents_apart():
     assert (unpacked[:, 13:] - alone[1]).abs().max() > 1e-2
 
 
-SMALL = TrainConfig(steps=5, batch_size=max(8, N), seq_len=32, eval_batches=2, dtype="fp32")
+SMALL = TrainConfig(model="micro", steps=5, batch_size=max(8, N), seq_len=32, eval_batches=2, dtype="fp32")
 
 
 def test_packed_sft_rows_give_the_unpacked_rows_loss_and_gradients(tmp_path):

@@ -21,7 +21,7 @@ from llama_xla_helpers import cli as cli_module
 from llama_xla_helpers.train import TrainConfig, main, train
 
 TRAIN = [sys.executable, "-m", "llama_xla_helpers.train"]
-QUICK = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1"]
+QUICK = ["--model", "micro", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1"]
 ENV = {**os.environ, "CPU_NUM_DEVICES": "8"}
 
 
@@ -137,8 +137,8 @@ def test_sigterm_saves_the_current_step_and_a_resume_matches_an_uninterrupted_ru
     step = checkpoint.read_meta(checkpoint.latest(tmp_path))["step"]
     assert 10 <= step < 400 and f"stop signal (SIGTERM or SIGHUP): saved a checkpoint at step {step}" in stdout
 
-    cfg = TrainConfig(steps=step + 3, batch_size=8, seq_len=32, eval_batches=1, checkpoint_dir=str(tmp_path),
-                      resume=True)
+    cfg = TrainConfig(model="micro", steps=step + 3, batch_size=8, seq_len=32, eval_batches=1,
+                      checkpoint_dir=str(tmp_path), resume=True)  # QUICK's
     resumed = train(cfg).losses
     whole = train(dataclasses.replace(cfg, resume=False, checkpoint_dir=None)).losses
     assert resumed == {s: whole[s] for s in range(step + 1, step + 4)}  # bit for bit

@@ -93,7 +93,7 @@ def test_the_train_cli_twice_with_scan_finds_every_program_in_the_cache(tmp_path
     under the key the first run wrote (the traced programs are the same in a new process), so it
     adds nothing; on a TPU it would load them and compile nothing. This CPU cannot load them."""
     cache = tmp_path / "cache"
-    argv = [sys.executable, "-m", "llama_xla_helpers.train", "--steps", "3", "--batch-size", "8", "--seq-len", "16",
+    argv = [sys.executable, "-m", "llama_xla_helpers.train", "--model", "micro", "--steps", "3", "--batch-size", "8", "--seq-len", "16",
             "--eval-batches", "1", "--scan-layers", "--compile-cache", str(cache)]
 
     def counts():

@@ -6,7 +6,7 @@ from llama_xla_helpers.configs import CONFIGS, get_config
 from llama_xla_helpers.metrics import param_count
 from llama_xla_helpers.model import rope_args
 
-NAMES = ["tiny", "llama-7b", "llama-33b", "llama-65b", "llama-175b", "llama2-7b",
+NAMES = ["tiny", "micro", "llama-7b", "llama-33b", "llama-65b", "llama-175b", "llama2-7b",
          "llama2-13b", "llama2-70b", "llama3-8b", "llama3.1-70b", "llama3.2-1b"]
 TIED = {"llama3.2-1b"}  # the output layer is the embedding's weight
 
@@ -33,6 +33,7 @@ def test_tiny_exact():
         bos_token_id=256, eos_token_id=257, pad_token_id=None,
     )
     assert {k: getattr(cfg, k) for k in expected} == expected
+    assert get_config("micro").to_dict() == get_config("tiny", num_hidden_layers=2).to_dict()
     assert cfg.vocab_size % 8 == 0 and cfg.vocab_size >= 258  # bytes + BOS + EOS
     assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
     assert rope_args(cfg) == dict(rope_theta=10000.0, rope_scaling=None)

@@ -100,7 +100,7 @@ def test_gradient_reductions_run_once_per_micro_batch():
     data, model = setup(cfg)[0].mesh
     if data == 1:
         pytest.skip("no 'data' axis to reduce over")
-    grads = sum(p.numel() * 4 for p in LlamaForCausalLM(get_config("tiny")).parameters())  # fp32 bytes
+    grads = sum(p.numel() * 4 for p in LlamaForCausalLM(get_config(cfg.model)).parameters())  # fp32 bytes
     reduced = {k: profile_step(dataclasses.replace(cfg, grad_accum=k))["collectives"][1] for k in (1, 2, 4)}
     per_micro_batch = [(reduced[2]["all-reduce"] - reduced[1]["all-reduce"]),
                        (reduced[4]["all-reduce"] - reduced[2]["all-reduce"]) / 2]

@@ -17,7 +17,7 @@ from llama_xla_helpers.model import Llama, ModelArgs
 from llama_xla_helpers.train import ADAPTER_DIR, TrainConfig, lora_config, main, make_optimizer, optimizer_step, train
 from util import N, hf_model, preempted, sharded_runs
 
-TINY = get_config("tiny")
+TINY = get_config("micro")  # tiny with 2 layers
 RANK = 4
 IDS = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
 

@@ -18,8 +18,9 @@ from llama_xla_helpers.train import (Adafactor, TrainConfig, _parse_args, init_t
                                      make_optimizer, optimizer_step, should_stop, stop_signals, train, train_step)
 from util import N, sharded_runs
 
-# Small and quick: 2 steps compile, the rest reuse the graph. The mesh is picked for the devices there are.
-SMALL = TrainConfig(steps=4, batch_size=max(8, N), seq_len=32, eval_batches=2)
+# Small and quick: the 2-layer model (half tiny's layers: what these tests check holds for any count); 2 steps
+# compile, the rest reuse the graph. The mesh is picked for the devices there are.
+SMALL = TrainConfig(model="micro", steps=4, batch_size=max(8, N), seq_len=32, eval_batches=2)
 # For the tests whose point is equality with the fp32 CPU reference (cpu_losses): fp32 whatever
 # LLAMA_XLA_DEFAULT_DTYPE says (check-variants runs every test with it set to bf16).
 SMALL_FP32 = dataclasses.replace(SMALL, dtype="fp32")
@@ -228,7 +229,7 @@ def test_the_hosts_of_a_pod_agree_on_the_step_to_stop_at(tmp_path):
 @pytest.mark.child_process
 def test_a_crash_mid_save_resumes_exactly_from_the_previous_checkpoint(tmp_path, capsys):
     def argv(directory):
-        return ["--steps", "8", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1",
+        return ["--model", "micro", "--steps", "8", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1",
                 "--checkpoint-every", "2", "--checkpoint-dir", str(directory)]
 
     # SIGKILL at the worst moment, in a real process: step 6's shards written, its meta.json not
