@@ -55,8 +55,8 @@ ONE_THREAD := OMP_NUM_THREADS=1
 notebook_env = LLAMA_XLA_OUTPUTS=$(CURDIR)/$(1) LLAMA_XLA_FIGURES=$(CURDIR)/$(1)/figures
 
 # Execute notebooks $(3) (default: all) into folder $(1) (asserts must hold; outputs are not compared),
-# the notebooks' checkpoints and figures there too. $(2): variables added to the tour's; a run at another
-# device count adds CPU_NUM_DEVICES and nothing else (the count is what it varies), the bf16 run its dtype.
+# the notebooks' checkpoints and figures there too. $(2): variables added to the tour's, only what the run
+# varies: the device count (CPU_NUM_DEVICES), and for the bf16 run its count and dtype.
 define execute_all
 	$(TIMED) mkdir -p $(1) && for nb in $(or $(3),$(NOTEBOOKS)); do echo "$$nb $(2)"; \
 		$(2) $(call notebook_env,$(1)) $(EXECUTE) --log-level=ERROR --output-dir $(1) $$nb || exit 1; done
@@ -79,13 +79,13 @@ TESTS_d := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[t-z]*.py)))
 # One part per file of TESTS_OWN, named after it (test-pytest-loop runs tests/test_loop.py).
 OWN := $(TESTS_OWN:tests/test_%.py=%)
 $(foreach f,$(OWN),$(eval TESTS_$(f) := tests/test_$(f).py))
-# The longest first (measured in make test on 2026-11-28: a 518 s, b 506, loop 312, engine 267, d 219,
-# train 183, c 171, attention_training 105, scan 92).
-PYTEST_PARTS := test-pytest-b test-pytest-a $(OWN:%=test-pytest-%) test-pytest-d test-pytest-c
+# The longest first (measured in make test on a fresh clone, 2026-11-28: a 280 s, b 267, engine 188, d 157,
+# loop 105, c 104, train 81, attention_training 39, scan 35).
+PYTEST_PARTS := $(addprefix test-pytest-,a b engine d loop c train attention_training scan)
 
 # nbval in three processes, each a group of notebooks with its own output folder; a notebook whose
 # checkpoint others read runs before them in their group (04, 05 and 06 read 03's). Measured in make test
-# (beside another part, 2026-11-28): 03-06 726 s, 01, 02 and 09 366 s, the rest 366 s.
+# (beside another part, 2026-11-28): 03-06 671 s, the rest 329 s, 01, 02 and 09 262 s.
 NBVAL_GROUPS := 03 09 rest
 NBVAL_03 := $(filter notebooks/03_% notebooks/04_% notebooks/05_% notebooks/06_%,$(NOTEBOOKS))
 NBVAL_09 := $(filter notebooks/01_% notebooks/02_% notebooks/09_%,$(NOTEBOOKS))
@@ -95,8 +95,8 @@ NBVAL_PARTS := $(NBVAL_GROUPS:%=test-nbval-%)
 # Each part is one process that keeps a core or more busy (XLA:CPU compiles a program on one thread),
 # so on a 2-core machine two at a time take about half the time; the longest start first.
 # --output-sync prints each part's output whole, when it ends.
-TEST_PARTS := test-nbval-03 test-pytest-b test-pytest-a test-nbval-09 test-nbval-rest \
-	$(filter-out test-pytest-b test-pytest-a,$(PYTEST_PARTS))
+TEST_PARTS := test-nbval-03 test-nbval-rest test-pytest-a test-pytest-b test-nbval-09 \
+	$(filter-out test-pytest-a test-pytest-b,$(PYTEST_PARTS))
 .PHONY: $(TEST_PARTS) test-tpu
 
 ifeq ($(TPU),)
@@ -158,28 +158,29 @@ variant-avx2-one-thread:
 		taskset -c 0 $(NBVAL) $(NOTEBOOKS)
 $(VARIANT_NOTEBOOKS): variant-notebooks-%:
 	$(call execute_all,outputs/devices-$*,CPU_NUM_DEVICES=$*)
+# After a pytest run that may select no test (a part without such tests): its status 0, or 5 (none collected).
+PASSED_OR_NONE = s=$$?; [ $$s = 0 ] || [ $$s = 5 ] || exit 1
 # In the processes of make test's parts: one process compiling every `devices` test's graphs aborted at 16
-# devices (measured: each test passes alone; XLA:CPU keeps every program it compiled mapped). A part without such
-# tests collects none (pytest's exit status 5).
+# devices (measured: each test passes alone; XLA:CPU keeps every program it compiled mapped).
 $(VARIANT_DEVICES): variant-devices-%:
 	$(TIMED) $(foreach p,$(PYTEST_PARTS:test-pytest-%=%),CPU_NUM_DEVICES=$* $(PY) -m pytest -q -m devices $(TESTS_$(p)); \
-		s=$$?; [ $$s = 0 ] || [ $$s = 5 ] || exit 1;)
-# One process per part of make test, as there (no part holds a marked test: pytest's exit status 5).
+		$(PASSED_OR_NONE);)
+# One process per part of make test, as there (a part may hold no marked test).
 variant-marked:
 	$(TIMED) $(foreach p,$(PYTEST_PARTS:test-pytest-%=%),$(PY) -m pytest -q -m variants $(TESTS_$(p)); \
-		s=$$?; [ $$s = 0 ] || [ $$s = 5 ] || exit 1;)
+		$(PASSED_OR_NONE);)
 variant-bf16-notebooks:
 	$(call execute_all,outputs/bf16,CPU_NUM_DEVICES=4 LLAMA_XLA_DEFAULT_DTYPE=bf16)
 $(VARIANT_BF16_TESTS): variant-bf16-tests-%:
 	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_$*) -m 'not variants and not fixed_dtype'; \
-		s=$$?; [ $$s = 0 ] || [ $$s = 5 ] || exit 1
+		$(PASSED_OR_NONE)
 
 # One line per notebook (its seconds and the figures it wrote); the kernels' messages (Jupyter's
 # notices, XLA's C++ warnings) go to outputs/tour.log, whose tail is printed if a notebook fails.
 TOUR_LOG := outputs/tour.log
 tour: .venv/installed
 	@mkdir -p outputs/figures && : > $(TOUR_LOG)
-	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/ (about 25 minutes on a 2-core CPU)"
+	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/ (about 15 minutes on a 2-core CPU)"
 	@for nb in $(NOTEBOOKS); do start=$$(date +%s); touch outputs/.tour-start; echo "=== $$nb" >> $(TOUR_LOG); \
 		$(call notebook_env,outputs) $(EXECUTE) --log-level=ERROR --output-dir outputs $$nb >> $(TOUR_LOG) 2>&1 || \
 			{ tail -n 25 $(TOUR_LOG); echo "$$nb failed; the whole log: $(CURDIR)/$(TOUR_LOG)"; exit 1; }; \

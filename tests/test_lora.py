@@ -17,16 +17,16 @@ from llama_xla_helpers.model import Llama, ModelArgs
 from llama_xla_helpers.train import ADAPTER_DIR, TrainConfig, lora_config, main, make_optimizer, optimizer_step, train
 from util import N, hf_model, preempted, sharded_runs
 
-TINY = get_config("micro")  # tiny with 2 layers
+MICRO = get_config("micro")  # tiny with 2 layers: what these tests check holds at any depth
 RANK = 4
-IDS = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, MICRO.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A base model's Hugging Face folder: the tiny config, random fp32 weights."""
+    """A base model's Hugging Face folder: the micro config, random fp32 weights."""
     folder = tmp_path_factory.mktemp("base")
-    hf_model(TINY).save_pretrained(folder)
+    hf_model(MICRO).save_pretrained(folder)
     return str(folder)
 
 
@@ -37,8 +37,8 @@ def lora_run(base, **changes):
 
 
 def adapted(targets=lora.ATTENTION, seed=0):
-    """The tiny base model on the CPU with adapters whose B is random (as after training), and the base alone."""
-    model, plain = hf_model(TINY), hf_model(TINY)
+    """The micro base model on the CPU with adapters whose B is random (as after training), and the base alone."""
+    model, plain = hf_model(MICRO), hf_model(MICRO)
     lora.add(model, lora.LoraConfig(RANK, targets=targets), seed=seed)
     with torch.no_grad():
         for name, p in lora.adapter_state(model).items():
@@ -60,19 +60,19 @@ def cpu_lora_losses(cfg):
 
 
 def test_with_B_zero_the_logits_are_the_base_models_exactly():
-    model, plain = hf_model(TINY), hf_model(TINY)
+    model, plain = hf_model(MICRO), hf_model(MICRO)
     params = lora.add(model, lora.LoraConfig(RANK, targets=lora.TARGETS))
     assert torch.equal(model(IDS).logits, plain(IDS).logits)
-    assert len(params) == 2 * 7 * TINY.num_hidden_layers  # A and B of 7 projections per layer
+    assert len(params) == 2 * 7 * MICRO.num_hidden_layers  # A and B of 7 projections per layer
     assert {n for n, p in model.named_parameters() if p.requires_grad} == set(lora.adapter_state(model))
     a = lora.adapter_state(model)["model.layers.0.self_attn.q_proj.lora_A.weight"]
-    assert a.abs().max() <= TINY.hidden_size ** -0.5 and a.std() > 0.5 * TINY.hidden_size ** -0.5 / 3 ** 0.5
+    assert a.abs().max() <= MICRO.hidden_size ** -0.5 and a.std() > 0.5 * MICRO.hidden_size ** -0.5 / 3 ** 0.5
 
 
 def test_merged_weights_equal_the_adapters_applied():
     model, plain = adapted()
     plain.load_state_dict(lora.merged_state(model))
-    assert not torch.allclose(model(IDS).logits, hf_model(TINY)(IDS).logits, atol=1e-3)  # the adapters matter
+    assert not torch.allclose(model(IDS).logits, hf_model(MICRO)(IDS).logits, atol=1e-3)  # the adapters matter
     torch.testing.assert_close(plain(IDS).logits, model(IDS).logits, atol=1e-5, rtol=1e-5)
 
 
@@ -80,7 +80,7 @@ def test_the_inline_update_is_the_layers():
     """One projection by hand: y = x W^T + (alpha / r) (x A^T) B^T."""
     model, _ = adapted()
     layer = model.model.layers[0].self_attn.q_proj
-    x = torch.randn(2, 5, TINY.hidden_size)
+    x = torch.randn(2, 5, MICRO.hidden_size)
     W, A, B = layer.base_layer.weight, layer.lora_A.weight, layer.lora_B.weight
     torch.testing.assert_close(layer(x), x @ W.T + 2 * (x @ A.T) @ B.T)  # alpha = 2 x rank by default
 
@@ -98,11 +98,11 @@ def test_peft_loads_the_adapter_folder_with_the_same_logits(tmp_path):
 
 def test_int8_base_weights_pass_gradients_to_the_adapters_below():
     """quantize.Int8Linear's XLA op has no backward; FrozenInt8Linear dequantizes in the graph instead."""
-    model = hf_model(TINY)
+    model = hf_model(MICRO)
     lora.add(model, lora.LoraConfig(RANK, int8=True))
     layer = model.model.layers[0].self_attn.q_proj.base_layer
     assert layer.weight.dtype == torch.int8 and not any(p.requires_grad for p in layer.parameters())
-    x = torch.randn(3, TINY.hidden_size, requires_grad=True)
+    x = torch.randn(3, MICRO.hidden_size, requires_grad=True)
     layer(x).sum().backward()
     w = layer.weight.float() * layer.scales[:, None]
     torch.testing.assert_close(x.grad, w.sum(0).expand(3, -1))
@@ -120,7 +120,7 @@ def test_int8_base_weights_pass_gradients_to_the_adapters_below():
 ])
 def test_bad_adapter_settings_name_the_value_and_the_fix(bad, words):
     with pytest.raises(ValueError) as e:
-        lora.add(hf_model(TINY), dataclasses.replace(lora.LoraConfig(RANK), **bad))
+        lora.add(hf_model(MICRO), dataclasses.replace(lora.LoraConfig(RANK), **bad))
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
@@ -169,7 +169,7 @@ def test_a_bf16_lora_run_checkpoints_its_adapters_and_resumes_exactly(tmp_path, 
     assert {p.dtype for p in whole.model.parameters()} == {torch.bfloat16}
     state = {k: v.dtype for s in whole.optimizer.state.values() for k, v in s.items() if v.dim()}
     assert set(state.values()) == {torch.float32} and "master" in state
-    assert len(whole.optimizer.state) == 2 * 4 * TINY.num_hidden_layers  # A and B of q, k, v, o in each layer
+    assert len(whole.optimizer.state) == 2 * 4 * MICRO.num_hidden_layers  # A and B of q, k, v, o in each layer
     preempted(run, 3, monkeypatch)
     resumed = train(dataclasses.replace(run, resume=True))
     assert resumed.losses == {step: whole.losses[step] for step in (4, 5, 6)}
