@@ -27,14 +27,13 @@ NO_PYTHON := no Python 3.11 or newer here (tried $(PYTHON_CANDIDATES)). On a TPU
 # 'tpu' extra (libtpu), and make test runs the TPU plan.
 TPU ?= $(if $(wildcard /dev/accel* /dev/vfio/[0-9]*),1)
 EXTRAS := dev,scan,log$(if $(TPU),$(comma)tpu)
-# On the CPU stand-in compiling takes most of a run's time: every run here compiles XLA:CPU programs without
-# LLVM's optimizations (measured: a training test 49 -> 31 s). The outputs are the same: the committed ones
-# are compared at XLA's default level by variant-avx2-one-thread. Not on a TPU, nor over an XLA_FLAGS you set.
-ifeq ($(TPU),)
-export XLA_FLAGS ?= --xla_backend_optimization_level=0
-endif
-# make test and check-variants run two parts at a time on two cores: PyTorch's CPU ops get one thread in each
-# (its threads waiting on a core the other part holds made a 2 s test take 82 s in CI).
+# pytest on the CPU stand-in compiles XLA:CPU programs without LLVM's optimizations: a test compiles many
+# programs and runs each a few times (measured: a training test 49 -> 31 s). Not the notebooks, which run
+# theirs many times (measured, one at a time: the eleven took 890 s at level 0, 814 s at XLA's default; a
+# training step 0.41 s against 0.28 s), nor on a TPU, nor over an XLA_FLAGS you set.
+PYTEST := $(if $(TPU)$(XLA_FLAGS),,XLA_FLAGS=--xla_backend_optimization_level=0 )$(PY) -m pytest
+# make test, check-variants and the tour run two parts at a time on two cores: PyTorch's CPU ops get one
+# thread in each (its threads waiting on a core the other part holds made a 2 s test take 82 s in CI).
 # ($(MAKE) stays in the recipes: make -n runs only lines that name it.)
 ONE_THREAD := OMP_NUM_THREADS=1
 
@@ -49,10 +48,11 @@ ONE_THREAD := OMP_NUM_THREADS=1
 	touch $@
 
 # The variables a notebook run gets, beside the exported TF_CPP_MIN_LOG_LEVEL: where it writes its
-# checkpoints (LLAMA_XLA_OUTPUTS) and figures (LLAMA_XLA_FIGURES). The tour and every run in make test
-# use this and nothing else, so they run the notebooks as a reader does (a plain Jupyter sets neither:
-# the notebooks then write under outputs/ and save no figures); tests/test_makefile.py checks it.
-notebook_env = LLAMA_XLA_OUTPUTS=$(CURDIR)/$(1) LLAMA_XLA_FIGURES=$(CURDIR)/$(1)/figures
+# checkpoints (LLAMA_XLA_OUTPUTS: folder $(1)) and figures (LLAMA_XLA_FIGURES: $(2), else $(1)/figures). The
+# tour and every run in make test use this and nothing else, so they run the notebooks as a reader does (a
+# plain Jupyter sets neither: the notebooks then write under outputs/ and save no figures);
+# tests/test_makefile.py checks it.
+notebook_env = LLAMA_XLA_OUTPUTS=$(CURDIR)/$(1) LLAMA_XLA_FIGURES=$(CURDIR)/$(or $(2),$(1)/figures)
 
 # Execute notebooks $(3) (default: all) into folder $(1) (asserts must hold; outputs are not compared),
 # the notebooks' checkpoints and figures there too. $(2): variables added to the tour's, only what the run
@@ -125,14 +125,15 @@ $(NBVAL_PARTS): test-nbval-%:
 	$(TIMED) $(call notebook_env,outputs/nbval-$*) $(NBVAL) $(NBVAL_$*)
 test-tpu:
 	$(call execute_all,outputs/tpu)
+# $(call once_more,COMMAND): COMMAND, run once more (saying so) if a signal killed it; $$s is then its status.
+# CI saw test_scan.py die once of SIGSEGV in a native thread (JAX's backward beside XLA:CPU), which seven runs
+# here did not repeat, and check-variants its 4-device run abort once; a second crash, or any failure, fails.
+once_more = for run in 1 2; do $(1); s=$$?; if [ $$s -le 128 ] || [ $$run = 2 ]; then break; fi; \
+	echo "$@: pytest was killed by signal $$((s - 128)); running it once more"; done
 # Tests marked `variants` (extra bad-input launches, the serving benchmark's --quick run, option matrices
-# beyond one combined configuration) run in make check-variants only (variant-marked). A part killed by a
-# signal runs once more, saying so: CI saw test_scan.py die once of SIGSEGV in a native thread (JAX's
-# backward beside XLA:CPU), which seven runs here did not repeat; a second crash, or any failure, fails.
+# beyond one combined configuration) run in make check-variants only (variant-marked).
 $(PYTEST_PARTS): test-pytest-%:
-	$(TIMED) for run in 1 2; do $(PY) -m pytest -q $(TESTS_$*) -m 'not variants' --durations=25; s=$$?; \
-		if [ $$s -le 128 ] || [ $$run = 2 ]; then exit $$s; fi; \
-		echo "$@: pytest was killed by signal $$((s - 128)); running the part once more"; done
+	$(TIMED) $(call once_more,$(PYTEST) -q $(TESTS_$*) -m 'not variants' --durations=25); exit $$s
 
 # The same two at a time; each nbval run writes its checkpoints apart (LLAMA_XLA_OUTPUTS). The bf16 parts
 # run what a TPU runs by default (LLAMA_XLA_DEFAULT_DTYPE=bf16): every notebook (asserts only) at 4 devices,
@@ -159,35 +160,43 @@ variant-avx2-one-thread:
 $(VARIANT_NOTEBOOKS): variant-notebooks-%:
 	$(call execute_all,outputs/devices-$*,CPU_NUM_DEVICES=$*)
 # After a pytest run that may select no test (a part without such tests): its status 0, or 5 (none collected).
-PASSED_OR_NONE = s=$$?; [ $$s = 0 ] || [ $$s = 5 ] || exit 1
+PASSED_OR_NONE = [ $$s = 0 ] || [ $$s = 5 ] || exit 1
 # In the processes of make test's parts: one process compiling every `devices` test's graphs aborted at 16
 # devices (measured: each test passes alone; XLA:CPU keeps every program it compiled mapped).
 $(VARIANT_DEVICES): variant-devices-%:
-	$(TIMED) $(foreach p,$(PYTEST_PARTS:test-pytest-%=%),CPU_NUM_DEVICES=$* $(PY) -m pytest -q -m devices $(TESTS_$(p)); \
-		$(PASSED_OR_NONE);)
+	$(TIMED) $(foreach p,$(PYTEST_PARTS:test-pytest-%=%),\
+		$(call once_more,CPU_NUM_DEVICES=$* $(PYTEST) -q -m devices $(TESTS_$(p))); $(PASSED_OR_NONE);)
 # One process per part of make test, as there (a part may hold no marked test).
 variant-marked:
-	$(TIMED) $(foreach p,$(PYTEST_PARTS:test-pytest-%=%),$(PY) -m pytest -q -m variants $(TESTS_$(p)); \
-		$(PASSED_OR_NONE);)
+	$(TIMED) $(foreach p,$(PYTEST_PARTS:test-pytest-%=%),\
+		$(call once_more,$(PYTEST) -q -m variants $(TESTS_$(p))); $(PASSED_OR_NONE);)
 variant-bf16-notebooks:
 	$(call execute_all,outputs/bf16,CPU_NUM_DEVICES=4 LLAMA_XLA_DEFAULT_DTYPE=bf16)
 $(VARIANT_BF16_TESTS): variant-bf16-tests-%:
-	$(TIMED) LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PY) -m pytest -q $(TESTS_$*) -m 'not variants and not fixed_dtype'; \
-		$(PASSED_OR_NONE)
+	$(TIMED) $(call once_more,LLAMA_XLA_DEFAULT_DTYPE=bf16 $(PYTEST) -q $(TESTS_$*) \
+		-m 'not variants and not fixed_dtype'); $(PASSED_OR_NONE)
 
-# One line per notebook (its seconds and the figures it wrote); the kernels' messages (Jupyter's
-# notices, XLA's C++ warnings) go to outputs/tour.log, whose tail is printed if a notebook fails.
-TOUR_LOG := outputs/tour.log
+# One line per notebook (its seconds and the figures it saved), as it ends. On a CPU make test's three nbval
+# groups run two at a time (measured: 814 s one at a time), each group in order (04-06 read 03's
+# checkpoint); on a TPU one notebook at a time (the process that opens the chips holds them). A notebook
+# saves its figures into a folder of its own, moved into outputs/figures/ after it, so that its line names
+# only its own. The kernels' messages (Jupyter's notices, XLA's C++ warnings) go to one log per group,
+# whose tail is printed if a notebook fails.
+TOUR_PARTS := $(if $(TPU),tour-all,$(NBVAL_GROUPS:%=tour-%))
+.PHONY: tour-all $(NBVAL_GROUPS:%=tour-%)
 tour: .venv/installed
-	@mkdir -p outputs/figures && : > $(TOUR_LOG)
-	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/ (about 15 minutes on a 2-core CPU)"
-	@for nb in $(NOTEBOOKS); do start=$$(date +%s); touch outputs/.tour-start; echo "=== $$nb" >> $(TOUR_LOG); \
-		$(call notebook_env,outputs) $(EXECUTE) --log-level=ERROR --output-dir outputs $$nb >> $(TOUR_LOG) 2>&1 || \
-			{ tail -n 25 $(TOUR_LOG); echo "$$nb failed; the whole log: $(CURDIR)/$(TOUR_LOG)"; exit 1; }; \
-		figures=$$(find outputs/figures -name '*.png' -newer outputs/.tour-start -printf '%f\n' | sort | tr '\n' ' '); \
-		printf '%-40s %4d s  %s\n' "$$nb" $$(($$(date +%s) - start)) "$${figures:-(no figures)}"; done
+	@mkdir -p outputs/figures
+	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/$(if $(TPU),, (two at a time: about 10 minutes on a 2-core CPU))"
+	@$(if $(TPU),,$(ONE_THREAD)) $(MAKE) --no-print-directory $(if $(TPU),,-j2) $(TOUR_PARTS)
 	@echo "Executed notebooks: $(CURDIR)/outputs/*.ipynb; figures: $(CURDIR)/outputs/figures/"
-	@echo "Kernel and XLA messages: $(CURDIR)/$(TOUR_LOG)"
+	@echo "Kernel and XLA messages: $(CURDIR)/outputs/tour-*.log"
+tour-all $(NBVAL_GROUPS:%=tour-%): tour-%:
+	@log=outputs/tour-$*.log; : > $$log; for nb in $(or $(NBVAL_$*),$(NOTEBOOKS)); do start=$$(date +%s); echo "=== $$nb" >> $$log; \
+		figs=outputs/figures/.$$(basename $$nb .ipynb); rm -rf $$figs; \
+		$(call notebook_env,outputs,$$figs) $(EXECUTE) --log-level=ERROR --output-dir outputs $$nb >> $$log 2>&1 || \
+			{ tail -n 25 $$log; echo "$$nb failed; the whole log: $(CURDIR)/$$log"; exit 1; }; \
+		figures=$$(ls $$figs 2>/dev/null | tr '\n' ' '); [ -z "$$figures" ] || mv $$figs/* outputs/figures/; rm -rf $$figs; \
+		printf '%-40s %4d s  %s\n' "$$nb" $$(($$(date +%s) - start)) "$${figures:-(no figures)}"; done
 
 # For authors: re-execute the committed notebooks in place (outputs are what nbval compares), at 8 devices.
 notebooks: .venv/installed

@@ -55,19 +55,41 @@ def test_make_test_runs_the_notebooks_with_the_tours_variables():
             f"{sorted(names)} vs the tour's {sorted(tour_vars)}"
 
 
+def reads_03(nb):
+    """Whether notebook `nb` reads notebook 03's checkpoint ("03_tiny_hf")."""
+    return '"03_tiny_hf"' in "".join("".join(c["source"]) for c in json.loads((ROOT / nb).read_text())["cells"]
+                                     if c["cell_type"] == "code") and not nb.startswith("notebooks/03_")
+
+
+def notebook_groups(plan, pattern):
+    """The lists of notebooks the commands in `plan` run, each found by `pattern`; each notebook in exactly one,
+    a notebook that reads 03's checkpoint after 03 in the same list."""
+    groups = [line.split() for line in re.findall(pattern, plan)]
+    notebooks = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert sorted(nb for group in groups for nb in group) == notebooks, groups
+    for group in groups:
+        for i, nb in enumerate(group):
+            if reads_03(nb):
+                assert "notebooks/03_training_2d.ipynb" in group[:i], (nb, group)
+    return groups
+
+
 def test_each_notebook_runs_in_exactly_one_nbval_part_after_the_notebooks_it_reads():
     """make test splits nbval into processes with their own output folders (Makefile: NBVAL_GROUPS): a notebook
     that reads another's checkpoint (04-06 read 03's "03_tiny_hf") must run after it, in the same part."""
-    plan = make_n("test", "TPU=").stdout
-    parts = [line.split() for line in re.findall(r"--nbval-cell-timeout=\d+ ((?:notebooks/\S+\.ipynb ?)+)", plan)]
-    notebooks = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))
-    assert len(parts) > 1 and sorted(nb for part in parts for nb in part) == notebooks
-    for part in parts:
-        for i, nb in enumerate(part):
-            code = "".join("".join(c["source"]) for c in json.loads((ROOT / nb).read_text())["cells"]
-                           if c["cell_type"] == "code")
-            if '"03_tiny_hf"' in code and not nb.startswith("notebooks/03_"):
-                assert "notebooks/03_training_2d.ipynb" in part[:i], (nb, part)
+    assert len(notebook_groups(make_n("test", "TPU=").stdout,
+                               r"--nbval-cell-timeout=\d+ ((?:notebooks/\S+\.ipynb ?)+)")) > 1
+
+
+def test_the_tour_runs_two_groups_at_a_time_on_a_cpu_and_in_order_on_a_tpu():
+    """On a CPU the tour runs nbval's groups two at a time (one thread each); on a TPU, whose chips one process
+    holds, every notebook in order, one at a time."""
+    pattern = r"for nb in ((?:notebooks/\S+\.ipynb ?)+); do"
+    cpu = make_n("tour", "TPU=").stdout
+    assert len(notebook_groups(cpu, pattern)) > 1 and re.search(r"OMP_NUM_THREADS=1 \S*make --no-print-directory -j2 tour-", cpu)
+    tpu = make_n("tour", "TPU=1").stdout
+    assert notebook_groups(tpu, pattern) == [sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))]
+    assert "-j" not in tpu and "OMP_NUM_THREADS" not in tpu
 
 
 def test_the_tpu_plan_runs_one_part_at_a_time_and_compares_no_cpu_outputs():
