@@ -79,13 +79,13 @@ TESTS_d := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[t-z]*.py)))
 # One part per file of TESTS_OWN, named after it (test-pytest-loop runs tests/test_loop.py).
 OWN := $(TESTS_OWN:tests/test_%.py=%)
 $(foreach f,$(OWN),$(eval TESTS_$(f) := tests/test_$(f).py))
-# The longest first (measured in make test on a fresh clone, 2026-11-28: a 280 s, b 267, engine 188, d 157,
-# loop 105, c 104, train 81, attention_training 39, scan 35).
-PYTEST_PARTS := $(addprefix test-pytest-,a b engine d loop c train attention_training scan)
+# The longest first (measured in make test on a fresh clone, 2026-11-28: a 278 s, b 246, d 179, engine 136,
+# loop 114, c 105, train 70, attention_training 38, scan 28).
+PYTEST_PARTS := $(addprefix test-pytest-,a b d engine loop c train attention_training scan)
 
 # nbval in three processes, each a group of notebooks with its own output folder; a notebook whose
 # checkpoint others read runs before them in their group (04, 05 and 06 read 03's). Measured in make test
-# (beside another part, 2026-11-28): 03-06 671 s, the rest 329 s, 01, 02 and 09 262 s.
+# (beside another part, 2026-11-28): 03-06 680 s, the rest 352 s, 01, 02 and 09 266 s.
 NBVAL_GROUPS := 03 09 rest
 NBVAL_03 := $(filter notebooks/03_% notebooks/04_% notebooks/05_% notebooks/06_%,$(NOTEBOOKS))
 NBVAL_09 := $(filter notebooks/01_% notebooks/02_% notebooks/09_%,$(NOTEBOOKS))
@@ -177,7 +177,7 @@ $(VARIANT_BF16_TESTS): variant-bf16-tests-%:
 		-m 'not variants and not fixed_dtype'); $(PASSED_OR_NONE)
 
 # One line per notebook (its seconds and the figures it saved), as it ends. On a CPU make test's three nbval
-# groups run two at a time (measured: 814 s one at a time), each group in order (04-06 read 03's
+# groups run two at a time (measured: 665 s, 814 s one at a time), each group in order (04-06 read 03's
 # checkpoint); on a TPU one notebook at a time (the process that opens the chips holds them). A notebook
 # saves its figures into a folder of its own, moved into outputs/figures/ after it, so that its line names
 # only its own. The kernels' messages (Jupyter's notices, XLA's C++ warnings) go to one log per group,
@@ -186,7 +186,7 @@ TOUR_PARTS := $(if $(TPU),tour-all,$(NBVAL_GROUPS:%=tour-%))
 .PHONY: tour-all $(NBVAL_GROUPS:%=tour-%)
 tour: .venv/installed
 	@mkdir -p outputs/figures
-	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/$(if $(TPU),, (two at a time: about 10 minutes on a 2-core CPU))"
+	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/$(if $(TPU),, (two at a time: about 11 minutes on a 2-core CPU))"
 	@$(if $(TPU),,$(ONE_THREAD)) $(MAKE) --no-print-directory $(if $(TPU),,-j2) $(TOUR_PARTS)
 	@echo "Executed notebooks: $(CURDIR)/outputs/*.ipynb; figures: $(CURDIR)/outputs/figures/"
 	@echo "Kernel and XLA messages: $(CURDIR)/outputs/tour-*.log"
