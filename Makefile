@@ -161,7 +161,8 @@ variant-avx2-one-thread:
 		taskset -c 0 $(NBVAL) $(NOTEBOOKS)
 $(VARIANT_NOTEBOOKS): variant-notebooks-%:
 	$(call execute_all,outputs/devices-$*,CPU_NUM_DEVICES=$*)
-# After a pytest run that may select no test (a part without such tests): its status 0, or 5 (none collected).
+# After once_more over a pytest run that may select no test (a part without such tests): its status $$s is 0, or 5
+# (none collected).
 PASSED_OR_NONE = [ $$s = 0 ] || [ $$s = 5 ] || exit 1
 # In the processes of make test's parts: one process compiling every `devices` test's graphs aborted at 16
 # devices (measured: each test passes alone; XLA:CPU keeps every program it compiled mapped).
