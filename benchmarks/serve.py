@@ -14,11 +14,13 @@ The cache: the same bytes as the fixed-slot engine's 8 slots x 768 positions. Th
 pool is 8 x pages_for(768, 64) + 1 = 97 pages of 64 positions (kv_pages.page_size_for(768) = 64;
 the extra page is page 0, which takes the padding's writes), and it may hold SLOTS_PAGED = 32
 requests in flight (a slot is a row of per-request state, not a context), so every request of
-the workload may run at once if their tokens fit. Its steps' token buckets are (16, 32, 64, 128,
-256): 16 and 32 for steps that only decode (up to 32 requests), 64 and 128 for small prompt
-chunks; 256 is a step's budget, which leaves >= 224 tokens for prompt chunks beside 32 decoding
-requests and keeps a step that carries a chunk short, so the decoding requests' TPOT stays low
-(Sarathi-Serve's point; Hugging Face's batches below take 512).
+the workload may run at once if their tokens fit. Its steps' token buckets are (4, 8, 16, 32,
+256) (from 4, as the CPU's `engine.CPU_BUCKETS`): 4 to 32 for steps that only decode (up to 32
+requests); 256 is a step's budget, which leaves >= 224 tokens for prompt chunks beside 32
+decoding requests and keeps a step that carries a chunk short, so the decoding requests' TPOT
+stays low (Sarathi-Serve's point; Hugging Face's batches below take 512). 64 and 128 are left out
+so the warm-up compiles no more programs than the engine did before issue 59 (26): 15 (tokens,
+pages) pairs, 6 argmax variants, 3 split steps of 256 tokens and the echo's.
 
 Arrivals, in the request order, the same for every system:
   all-at-once  all 32 at time 0
@@ -79,15 +81,17 @@ Compilations: every engine counts those after its warm-up (on_recompile="count")
 workload that compiled is listed in `compile_misses` with its profile (the system, pattern,
 repetition, step, requests in it and the longest block table in pages: what sets its shape).
 
-Targets (met or missed, as measured; never asserted). Issue 42's, for the compiled engine unless
-said: requests in flight on the workload all at once, median over repetitions of the peak, >= 2x
-the fixed-slot engine's 8 (the mean over steps reported beside it); >= 1.5x hf-cb tokens/s all at
-once and at 100% load; TPOT p50 <= 0.8x hf-cb's at 50% load; each path's decode step at batch 1
-and 8 in the N-page pool <= 1.2x the step in the tenth-size pool; TTFT with the 1,024-token
-prefix cached <= 0.2x uncached (each path); 0 compilations after warm-up (every engine, the
-server). Kept from before: the compiled engine's batch-1 step <= 0.8x HF eager's; its host time
-per batch-8 decode step <= 2 ms; more tokens/s than the lazy path (else the lazy path is the
-default here); HTTP overhead <= 10%.
+Targets (met or missed, as measured; never asserted). Issues 42's and 59's, for the compiled
+engine unless said: requests in flight on the workload all at once, median over repetitions of
+the peak, >= 2x the fixed-slot engine's 8 (the mean over steps reported beside it); >= 1.5x
+hf-cb tokens/s all at once and at 100% load; TPOT p50 <= 0.7x hf-cb's at 50% load; each path's
+decode step at batch 1 and 8 in the N-page pool <= 1.2x the step in the tenth-size pool; TTFT
+with the 1,024-token prefix cached <= 0.2x uncached (each path); 0 compilations after warm-up
+(every engine, the server); the workload engine's warm-up no longer than before issue 59 (as
+many programs or fewer: BEFORE_PROGRAMS, which took BEFORE_WARMUP_S on this CPU); the batch-1
+decode step <= `Generator`'s compiled step and <= 0.8x HF eager's; host time per batch-8 decode
+step <= 1 ms; more tokens/s than the lazy path (else the lazy path is the default here); HTTP
+overhead <= 10%.
 
 Dropped: engine / static tokens/s within 10% of the ceiling (static's decode steps / the
 engine's): the ceiling counted steps of 8 fixed slots against static's batches of 8, each step
@@ -143,6 +147,7 @@ DECODE_PROMPT = 32
 STEP_BUCKETS = (1, SLOTS)  # the decode-step engines' token buckets: a decode step of 1 request, of SLOTS
 PREFIX_REPS = 5  # cached and uncached requests timed in the prefix-caching part, each
 HF_BATCH_TOKENS = 512  # Hugging Face continuous batching's tokens per step
+BEFORE_PROGRAMS, BEFORE_WARMUP_S = 26, 106  # the workload engine's warm-up at 98b1af4 (buckets (16, 32, 64, 128, 256))
 
 
 @dataclasses.dataclass
@@ -152,7 +157,7 @@ class Setup:
     prompt_lens: tuple = (16, 400)
     output_lens: tuple = (16, 256)
     slots: int = 32  # the paged engine's requests in flight at most
-    buckets: tuple = (16, 32, 64, 128, 256)  # the paged engine's step token counts (module docstring)
+    buckets: tuple = (4, 8, 16, 32, 256)  # the paged engine's step token counts (module docstring)
     prompt_buckets: tuple = (32, 64, 128)  # static's (Generator's) prefill buckets
     max_seq_len: int = 768
     decode_batches: tuple = (1, 8, 32)
@@ -170,7 +175,7 @@ class Setup:
 
 
 FULL = Setup()
-QUICK = Setup(layers=2, requests=8, prompt_lens=(8, 40), output_lens=(4, 16), slots=16, buckets=(16, 64),
+QUICK = Setup(layers=2, requests=8, prompt_lens=(8, 40), output_lens=(4, 16), slots=16, buckets=(4, 16, 64),
               prompt_buckets=(16, 32), max_seq_len=64, decode_batches=(1, 8), decode_new=8, live=48, prefix=64,
               suffix=16, prefix_seq_len=128, prefix_buckets=(64,), reps=1)  # short contexts: few page buckets to compile
 
@@ -588,6 +593,7 @@ def run_all(setup, folder):
     engine = engines["engine-compiled"]
     return dict(quick=setup is QUICK, config=setup.config.to_diff_dict(), setup=dataclasses.asdict(setup),
                 slots=SLOTS, pages=engine.pool.num_pages, page_size=engine.pool.page_size,
+                warmup=dict(seconds=engine.warmup_s, programs=len(engine.runner.shapes())),
                 default_compile=default_compile(), loads=LOADS, rates_per_s=rates, compiles_after_warmup=compiles,
                 compile_misses=misses, memory_maps=memory_maps(), runs=runs, timeline=timeline, decode=decode,
                 engine_decode=engine_decode, prefix_caching=prefix)
@@ -618,8 +624,12 @@ def targets(result):
         x = ratios(result, ("engine-compiled", pattern), ("hf-cb", pattern))
         rows.append((f"compiled engine >= 1.5x HF continuous batching tokens/s ({pattern})", spread(x), np.median(x) >= 1.5))
     x = ratios(result, ("engine-compiled", "poisson-50%"), ("hf-cb", "poisson-50%"), "tpot_p50_ms")
-    rows.append(("compiled engine TPOT p50 <= 0.8x HF continuous batching's (poisson-50%)", spread(x),
-                 np.median(x) <= 0.8))
+    rows.append(("compiled engine TPOT p50 <= 0.7x HF continuous batching's (poisson-50%)", spread(x),
+                 np.median(x) <= 0.7))
+    warm = result["warmup"]
+    rows.append((f"compiled engine warm-up no longer than before issue 59 ({BEFORE_PROGRAMS} programs; "
+                 f"{BEFORE_WARMUP_S} s on the 2-core CPU of the committed run)",
+                 f"{warm['programs']} programs in {warm['seconds']:.0f} s", warm["programs"] <= BEFORE_PROGRAMS))
     live, step = result["setup"]["live"], {(r["system"], r["batch"]): r for r in result["engine_decode"]}
     for (system, batch), r in step.items():
         x = r["pool_ms"] / r["small_pool_ms"]
@@ -636,11 +646,14 @@ def targets(result):
     missed = f"; {len(misses)} steps compiled, the first (compile_misses): {misses[:3]}" if misses else ""
     rows.append(("0 compilations after warm-up", ", ".join(f"{k} {n}" for k, n in counts.items()) + missed,
                  not any(counts.values())))
-    b1, hf1 = step["engine-compiled", 1]["pool_ms"], result["decode"][0]["hf_eager_ms"]
+    b1, hf1, gen1 = step["engine-compiled", 1]["pool_ms"], result["decode"][0]["hf_eager_ms"], \
+        result["decode"][0]["compiled_ms"]
     rows.append(("compiled engine step at batch 1 <= 0.8x HF eager's", f"{b1:.1f} ms vs {hf1:.1f} ms", b1 <= 0.8 * hf1))
+    rows.append(("compiled engine step at batch 1 <= Generator's compiled step", f"{b1:.1f} ms vs {gen1:.1f} ms",
+                 b1 <= gen1))
     host = {system: step[system, SLOTS]["host_ms"] for system in ENGINES}
-    rows.append((f"compiled engine host time per decode step at batch {SLOTS} <= 2 ms",
-                 ", ".join(f"{system} {ms:.1f} ms" for system, ms in host.items()), host["engine-compiled"] <= 2))
+    rows.append((f"compiled engine host time per decode step at batch {SLOTS} <= 1 ms",
+                 ", ".join(f"{system} {ms:.1f} ms" for system, ms in host.items()), host["engine-compiled"] <= 1))
     x = ratios(result, ("engine-compiled", "all-at-once"), ("engine-lazy", "all-at-once"))
     default = "engine-compiled" if result["default_compile"] else "engine-lazy"  # Engine's compile=None here
     rows.append((f"compiled engine faster than the lazy one, or the lazy one is the default here (default: {default})",

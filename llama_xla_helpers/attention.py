@@ -32,8 +32,10 @@ Serving (the last section): the engine's step puts the tokens of every request i
 chunks and decoded tokens) on one flat axis, and each token attends to the keys its own request
 has written, which sit in the pages its block table lists (`kv_pages.py`). On a TPU that is
 torch_xla's ragged paged attention kernel (vLLM's), wrapped in one custom op that
-torch.compile traces (`paged_kernel`); elsewhere a fixed-shape gather-and-mask computes the same
-thing.
+torch.compile traces (`paged_kernel`). Elsewhere (`flat_attention`) the step gathers the pages of
+its sequences once onto one flat key axis and masks each query to its own sequence's keys, in
+fixed shapes, from a pool laid out heads first with K and V apart (`write_heads`), the layout
+XLA:CPU's batched matmuls read without copying it again.
 """
 import functools
 from functools import partial
@@ -308,39 +310,43 @@ def use(model, mesh=None, implementation=None, block=None):
 
 # --- Serving: ragged attention over a paged KV cache --------------------------------------------
 
-QUERY_BLOCK = 16  # the gather path's queries per row, in a step with more tokens than rows
+NO_KEY = 1 << 30  # the first position of a padding page on the flat key axis: after every query's position
 
 
 class RaggedBatch(NamedTuple):
-    """A serving step's tokens on one flat axis of T (device tensors: `ragged_batch`). S sequences at most (unused ones have no queries and kv length 0); each has P
-    pages' room in its block table. The first four are the kernel's arguments; `rows`, `row_seq`,
-    `row_pos` and `unrow` lay the queries out in R blocks of Qb for the gather path."""
+    """A serving step's tokens on one flat axis of T (device tensors: `ragged_batch`), from S
+    sequences at most (unused ones have no queries and kv length 0), each with room for P pages
+    in its block table. The first four are the kernel's arguments; the rest lay out the flat
+    path's keys: the K distinct pages the step reads (a prefix shared by several sequences once),
+    and, in a step split in two (`flat_attention`), its D decode queries and the C pages of its
+    prompt chunks' sequences. The flat keys are None on the kernel's path, the split's in one group."""
     kv_lens: torch.Tensor  # (S,) each sequence's keys once this step has written its tokens
     page_indices: torch.Tensor  # (S, P) its block table (0 past its pages)
     cu_q_lens: torch.Tensor  # (S + 1,) where its queries start on the flat axis (and end)
     num_seqs: torch.Tensor  # (1,) sequences in use
     positions: torch.Tensor  # (T,) each token's position in its sequence (padding: 0)
     slots: torch.Tensor  # (T,) where its key and value go: page * page_size + position % page_size (padding: page 0)
-    rows: torch.Tensor  # (R, Qb) the flat token of each query of a block (padding: 0)
-    row_seq: torch.Tensor  # (R,) the sequence of each block (padding: 0)
-    row_pos: torch.Tensor  # (R, Qb) each query's position: it reads keys 0 .. row_pos (padding: 0, a key that exists)
-    unrow: torch.Tensor  # (T,) where each token's output sits among the R * Qb
+    token_seq: torch.Tensor = None  # (T,) each token's sequence (padding: 0)
+    key_pages: torch.Tensor = None  # (K,) the pages the step reads (padding: page 0)
+    key_start: torch.Tensor = None  # (K,) the position of each one's first key in the sequences that hold it (padding: NO_KEY)
+    decode: torch.Tensor = None  # (D,) the flat index of each query of a one-token run (padding: 0)
+    chunk_pages: torch.Tensor = None  # (C,) the pages of the sequences with more than one query (padding: page 0)
+    chunk_start: torch.Tensor = None  # (C,) as key_start
 
 
 def ragged_batch(layout, put=lambda t: t):
-    """A RaggedBatch of host lists (`runner.ragged_layout`), each a tensor passed through `put`:
-    int32 for the kernel's four arguments (its JAX side takes int32), int64 for the rest (the
-    indices torch_xla's gathers and index_copy take)."""
+    """A RaggedBatch of host lists (`runner.ragged_layout`), each a tensor passed through `put`: int32 for the kernel's four arguments (its JAX side takes int32), int64
+    for the rest (the indices torch_xla's gathers and index_copy take)."""
     kernel = RaggedBatch._fields[:4]
     return RaggedBatch(**{k: put(torch.tensor(v, dtype=torch.int32 if k in kernel else torch.long))
                           for k, v in layout.items()})
 
 
 def write_pages(pages, batch, k, v):
-    """pages (num_pages, page_size, 2 * g, head_dim) with this step's keys and values k, v (T, g,
-    head_dim, or less: zero-padded to the pages') written at `batch.slots`, interleaved on the head
-    axis as the kernel reads them (K of head h at 2h, V at 2h + 1). Out of place: the runner
-    donates `pages`, so XLA writes in place.
+    """pages (num_pages, page_size, 2 * g, head_dim), the kernel's layout, with this step's keys and
+    values k, v (T, g, head_dim, or less: zero-padded to the pages') written at `batch.slots`,
+    interleaved on the head axis as the kernel reads them (K of head h at 2h, V at 2h + 1). Out of
+    place: the runner donates `pages`, so XLA writes in place.
 
     A step of one token writes a second row, zeros into slot 0 (page 0, the padding's): XLA turns a
     one-row write into a dynamic-update-slice guarded by a bounds check, which copies the whole
@@ -353,20 +359,54 @@ def write_pages(pages, batch, k, v):
     return pages.flatten(0, 1).index_copy(0, slots, kv).view(pages.shape)
 
 
-def gather_attention(q, pages, batch, scale):
-    """Ragged attention in fixed shapes: (T, heads, head_dim). Each block of queries gathers its
-    sequence's pages, (P * page_size) keys, and reads those at positions up to its own: causal,
-    and never past what its sequence has written. The cost is R x Qb x P x page_size scores, so the
-    runner picks P from the longest sequence in the step, not the model's context."""
-    g = pages.shape[2] // 2
-    kv = pages[batch.page_indices[batch.row_seq]].flatten(1, 2)  # (R, P * page_size, 2 * g, head_dim)
-    k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (R, L, g, head_dim)
-    qr = q[batch.rows].unflatten(2, (g, -1))  # (R, Qb, g, r, head_dim)
-    scores = torch.einsum("bqgrd,bkgd->bgrqk", qr, k).float() * scale  # (R, g, r, Qb, L)
-    keep = torch.arange(k.shape[1], device=q.device) <= batch.row_pos[..., None]  # (R, Qb, L)
-    probs = scores.masked_fill(~keep[:, None, None], float("-inf")).softmax(dim=-1).to(v.dtype)
-    out = torch.einsum("bgrqk,bkgd->bqgrd", probs, v)  # (R, Qb, g, r, head_dim)
-    return out.flatten(0, 1)[batch.unrow].flatten(1, 2)  # (T, heads, head_dim)
+def write_heads(pool, batch, k, v):
+    """pool (g, 2, num_pages, page_size, head_dim), the flat path's layout (heads first, K and V
+    apart), with this step's k, v (T, g, head_dim) written at `batch.slots`: one index_copy on the
+    pool seen as rows of head_dim, 2g rows per token (so never the one-row write `write_pages`
+    avoids). Out of place, donated: XLA writes in place."""
+    g, _, num_pages, page_size, _ = pool.shape
+    kv = torch.stack([k, v], dim=1).permute(2, 1, 0, 3)  # (g, 2, T, head_dim)
+    rows = torch.arange(2 * g, device=k.device)[:, None] * (num_pages * page_size) + batch.slots  # (2g, T)
+    return pool.flatten(0, 3).index_copy(0, rows.flatten(), kv.flatten(0, 2)).view(pool.shape)
+
+
+def keys_attention(q, pool, pages, start, batch, seq, pos, scale):
+    """q (Q, heads, head_dim), queries of sequences `seq` (Q,) at positions `pos` (Q,), over the keys of
+    `pages` (K,) gathered from pool (g, 2, num_pages, page_size, head_dim) onto one axis, each page's
+    first key at position `start` (K,): each query reads those in its own sequence's block table
+    (`batch.page_indices`) at positions up to its own. -> (Q, heads, head_dim). A query that keeps
+    no key gets a finite average, never NaN (a NaN there would reach a page through the next layer)."""
+    g, page_size = pool.shape[0], pool.shape[3]
+    kv = pool[:, :, pages].flatten(2, 3)  # (g, 2, L, head_dim), L = K * page_size
+    k, v = kv[:, 0], kv[:, 1]  # (g, L, head_dim)
+    held = (batch.page_indices[:, :, None] == pages).any(dim=1)  # (S, K): the pages of each block table
+    key_pos = (start[:, None] + torch.arange(page_size, device=q.device)).flatten()  # (L,)
+    keep = held[seq].repeat_interleave(page_size, dim=1) & (key_pos <= pos[:, None])  # (Q, L)
+    qg = q.unflatten(1, (g, -1))  # (Q, g, r, head_dim): query heads g * r .. g * r + r - 1 read KV head g
+    scores = torch.einsum("tgrd,gld->gtrl", qg, k).float() * scale  # (g, Q, r, L)
+    probs = scores.masked_fill(~keep[:, None], torch.finfo(scores.dtype).min).softmax(dim=-1).to(v.dtype)
+    return torch.einsum("gtrl,gld->tgrd", probs, v).flatten(1, 2)  # (Q, heads, head_dim)
+
+
+def flat_attention(q, pool, batch, scale):
+    """Ragged attention in fixed shapes, off a TPU: (T, heads, head_dim). The step's pages are
+    gathered once onto one flat key axis (`batch.key_pages`, K pages: its cost follows the step's
+    keys, not its longest block table times its tokens), and each query reads the keys of the
+    pages in its own sequence's block table, at positions up to its own (`keys_attention`).
+    pool: (g, 2, num_pages, page_size, head_dim) (`write_heads`), so the gathered keys are (g, L,
+    head_dim), the batched dot's operand, and nothing is laid out again.
+
+    Every query scores every key of the step, T x K x page_size, so a step with a long prompt chunk
+    beside many decoding requests is split in two (`batch.decode` set): all T queries over the
+    chunks' C pages only (the decode queries among them keep no key there), then the D decode
+    queries over the K pages, written over their rows: T x C + D x K keys instead of T x K."""
+    if batch.decode is None:
+        return keys_attention(q, pool, batch.key_pages, batch.key_start, batch, batch.token_seq, batch.positions, scale)
+    out = keys_attention(q, pool, batch.chunk_pages, batch.chunk_start, batch, batch.token_seq, batch.positions, scale)
+    d = batch.decode  # (D,)
+    decoded = keys_attention(q[d], pool, batch.key_pages, batch.key_start, batch, batch.token_seq[d],
+                             batch.positions[d], scale)  # (D, heads, head_dim)
+    return out.index_copy(0, d, decoded)
 
 
 def kernel_fits(n_kv_heads, dtype):
@@ -418,14 +458,21 @@ def _(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale, mesh):
 
 
 def paged_reference(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, scale):
-    """What the ragged kernel computes, from its own arguments, in fixed shapes: the gather path with
-    one query per row. (torch_xla's reference, `ragged_paged_attention(use_kernel=False)`, reads the
-    lengths on the host, so a compiled step would keep the first step's layout.)"""
+    """What the ragged kernel computes, from its own arguments, in fixed shapes: (T, heads, head_dim).
+    Each token gathers its sequence's block table from `pages` in the kernel's layout (P x page_size
+    keys) and reads those at positions up to its own. (torch_xla's reference,
+    `ragged_paged_attention(use_kernel=False)`, reads the lengths on the host, so a compiled step
+    would keep the first step's layout.)"""
     t = torch.arange(q.shape[0], device=q.device)  # (T,)
     seq = (t[:, None] >= cu_q_lens[None, 1:]).sum(-1).clamp(max=kv_lens.shape[0] - 1)  # (T,) its sequence
     pos = (kv_lens[seq] - cu_q_lens[seq + 1] + t).clamp(min=0)  # (T,) its position there (padding: anything)
-    rows = RaggedBatch(kv_lens, page_indices, cu_q_lens, num_seqs, pos, None, t[:, None], seq, pos[:, None], t)
-    return gather_attention(q, pages, rows, scale)
+    g = pages.shape[2] // 2
+    kv = pages[page_indices[seq]].flatten(1, 2)  # (T, L, 2 * g, head_dim), L = P * page_size
+    k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # (T, L, g, head_dim)
+    scores = torch.einsum("tgrd,tlgd->tgrl", q.unflatten(1, (g, -1)), k).float() * scale  # (T, g, r, L)
+    keep = torch.arange(k.shape[1], device=q.device) <= pos[:, None]  # (T, L)
+    probs = scores.masked_fill(~keep[:, None, None], float("-inf")).softmax(dim=-1).to(v.dtype)
+    return torch.einsum("tgrl,tlgd->tgrd", probs, v).flatten(1, 2)  # (T, heads, head_dim)
 
 
 def kernel_attention(q, pages, batch, scale, mesh=""):
@@ -452,7 +499,7 @@ def per_device(fn, mesh, in_specs, out_spec):
 
 
 def uses_kernel(n_kv_heads, dtype, mesh=None):
-    """Whether a serving step runs the ragged kernel (else the gather path): on a TPU, where the kernel
+    """Whether a serving step runs the ragged kernel (else the flat path): on a TPU, where the kernel
     takes each device's KV heads (n_kv_heads over the mesh's 'model' axis)."""
     ways = 1 if mesh is None else mesh.shape().get("model", 1)
     return on_tpu() and kernel_fits(n_kv_heads // ways, dtype)
@@ -460,10 +507,11 @@ def uses_kernel(n_kv_heads, dtype, mesh=None):
 
 def ragged_attention(q, pages, batch, scale, mesh=None):
     """A serving step's attention: q (T, heads, head_dim) for the step's flat tokens, each reading
-    its own sequence's keys and values in `pages` (num_pages, page_size, 2 * g, head_dim) as
-    `batch` (a RaggedBatch) lays out. The kernel on a TPU where it fits (`uses_kernel`), the gather
-    path elsewhere; both compute the same thing (tests compare the gather path with the kernel's
-    PyTorch reference, `ragged_paged_attention(use_kernel=False)`, and lower the kernel for the TPU)."""
-    if uses_kernel(pages.shape[2] // 2, pages.dtype, mesh):
-        return kernel_attention(q, pages, batch, scale, "" if mesh is None else str(mesh))
-    return gather_attention(q, pages, batch, scale)
+    its own sequence's keys and values in `pages` as `batch` (a RaggedBatch) lays out. The layout
+    says the path (the runner allocates the one `uses_kernel` picks): the kernel's (num_pages,
+    page_size, 2 * g, head_dim) goes to the ragged kernel (its PyTorch reference where kernels do
+    not execute), the flat path's (g, 2, num_pages, page_size, head_dim) to `flat_attention`. Both
+    compute the same thing (tests compare them, and lower the kernel for the TPU)."""
+    if pages.dim() == 5:
+        return flat_attention(q, pages, batch, scale)
+    return kernel_attention(q, pages, batch, scale, "" if mesh is None else str(mesh))

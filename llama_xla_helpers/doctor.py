@@ -251,7 +251,7 @@ def check_kernels(args):
     model's greedy tokens (teacher-forced, near-ties skipped)."""
     seq = args.seq_len
     if not attention.on_tpu():
-        return (f"training at seq_len {seq} attends blockwise, serving with the gather path: the Pallas kernels "
+        return (f"training at seq_len {seq} attends blockwise, serving with the flat path: the Pallas kernels "
                 f"run on a TPU only")
     try:
         import jax  # noqa: F401
@@ -263,7 +263,7 @@ def check_kernels(args):
     eng = Engine(tiny_llama(4, 64, dtype), slots=4, buckets=(16,), compile=True)
     eng.warmup()
     if not eng.runner.kernel:
-        raise CheckFailed("the engine took the gather path for the tiny model (attention.uses_kernel)")
+        raise CheckFailed("the engine took the flat path for the tiny model (attention.uses_kernel)")
     [prompt] = prompts([5])
     [got] = eng.generate([prompt], 12)
     differ, _ = greedy_check(tiny_llama(1, 64, dtype), prompt, got, NEAR_TIE[dtype])

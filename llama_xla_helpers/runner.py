@@ -5,13 +5,16 @@ TPUModelRunner split, in small). `Generator` uses the fixed-slot caches of the s
 A step (`step_program`) runs the tokens the scheduler planned, of every request in it, on one
 flat axis: prompt chunks and decoded tokens together, each with its position in its own sequence.
 Each layer writes the step's keys and values into the pages their requests' block tables name
-(`attention.write_pages`) and attends over them (`attention.ragged_attention`: torch_xla's ragged
-paged attention kernel on a TPU, a fixed-shape gather-and-mask elsewhere); the LM head runs at
+(`attention.write_pages`, or `write_heads` off a TPU) and attends over them (torch_xla's ragged
+paged attention kernel on a TPU, `attention.flat_attention` elsewhere); the LM head runs at
 each sequence's last token only, and a token is sampled per sequence in the same program. A
 decode step's input is the token the step before sampled, which the host has not read yet: it
 stays on the device (`last`, one row per slot) and the step takes it from there (`from_last`).
-The host lays the step out (`ragged_layout`, `ModelRunner.inputs`) in a few shapes: T tokens and P
-pages per block table, each rounded up to a bucket, so after warm-up nothing compiles.
+The host lays the step out (`ragged_layout`, `ModelRunner.inputs`) in a few shapes: T tokens, P
+pages (per block table for the kernel, in all for the flat path) and, for a step the flat path
+splits in two, C pages of its prompt chunks, each rounded up to a bucket, so after warm-up nothing
+compiles, and hands it over in two transfers, one of integers and one of
+floats (`packed`), which the program slices.
 
 The step takes the pages as arguments and returns the new ones (`PagedCache` writes out of place).
 That is what makes a torch.compile'd program update them in place: XLA writes an output into an
@@ -35,7 +38,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
-from .attention import QUERY_BLOCK, gather_attention, kernel_attention, ragged_batch, uses_kernel, write_pages
+from .attention import NO_KEY, RaggedBatch, flat_attention, kernel_attention, uses_kernel, write_heads, write_pages
 from .kv_pages import pages_for
 from .metrics import kernel_head_dim
 from .mesh import make_mesh
@@ -43,38 +46,52 @@ from .sampling import logprobs_of, sample_rows
 from .sharding import Constraint, to_sharded
 
 
-def ragged_layout(runs, page_size, tokens, seqs, pages):
+def pages_read(runs, page_size):
+    """The pages a step's runs (block table, start, n) read, in order, each with the position of its
+    first key ({page: position}; a page two sequences share, a cached prefix, sits at the same
+    position in both): every run's, and those of the runs of more than one token (prompt chunks)."""
+    every, chunks = {}, {}
+    for table, start, n in runs:
+        for j, page in enumerate(table[:pages_for(start + n, page_size)]):
+            every.setdefault(page, j * page_size)
+            if n > 1:
+                chunks.setdefault(page, j * page_size)
+    return every, chunks
+
+
+def ragged_layout(runs, page_size, tokens, seqs, pages, keys=None, chunk=None):
     """A ragged step's layout, host lists for `attention.RaggedBatch`: runs (block table, start, n),
     one per sequence (positions start .. start + n - 1 of it go through the model), on a flat axis
-    of `tokens` (T) for `seqs` (S) sequences whose block tables are cut or padded to `pages` (P).
-
-    The gather path's query blocks: one token per row when the step has no more tokens than
-    sequences (a decode step: R = T rows of 1), else blocks of attention.QUERY_BLOCK tokens of one
-    sequence (R = S + T // Qb rows, enough for any split of T tokens among S sequences)."""
-    qb = 1 if tokens <= seqs else QUERY_BLOCK
-    n_rows = tokens if qb == 1 else seqs + tokens // qb
+    of `tokens` (T) for `seqs` (S) sequences whose block tables are padded to `pages` (P). keys
+    (K): the flat path's keys too, the distinct pages of the block tables (`pages_read`), padded to
+    K. chunk (C): the step split in two (`attention.flat_attention`), the flat index of each
+    one-token run's query (padded to S) and the pages of the other runs, padded to C."""
     out = dict(kv_lens=[], page_indices=[], cu_q_lens=[0], num_seqs=[len(runs)], positions=[], slots=[],
-               rows=[], row_seq=[], row_pos=[], unrow=[])
+               token_seq=[])
     for i, (table, start, n) in enumerate(runs):
-        first = out["cu_q_lens"][-1]
         out["kv_lens"].append(start + n)
         out["page_indices"].append(table + [0] * (pages - len(table)))
-        out["cu_q_lens"].append(first + n)
+        out["cu_q_lens"].append(out["cu_q_lens"][-1] + n)
         out["positions"] += range(start, start + n)
         out["slots"] += [table[p // page_size] * page_size + p % page_size for p in range(start, start + n)]
-        for b in range(0, n, qb):
-            m = min(qb, n - b)
-            out["unrow"] += range(len(out["rows"]) * qb, len(out["rows"]) * qb + m)
-            out["rows"].append(list(range(first + b, first + b + m)) + [0] * (qb - m))
-            out["row_seq"].append(i)
-            out["row_pos"].append(list(range(start + b, start + b + m)) + [0] * (qb - m))
+        out["token_seq"] += [i] * n
+    every, chunks = pages_read(runs, page_size)
     used = out["cu_q_lens"][-1]
-    if used > tokens or len(runs) > seqs or len(out["rows"]) > n_rows:
-        raise ValueError(f"{used} tokens of {len(runs)} sequences do not fit a step of {tokens} tokens and {seqs} sequences")
+    if used > tokens or len(runs) > seqs or keys is not None and len(every) > keys or \
+            chunk is not None and len(chunks) > chunk:
+        raise ValueError(f"{used} tokens of {len(runs)} sequences do not fit a step of {tokens} tokens, {seqs} "
+                         f"sequences, {keys} pages and {chunk} pages of prompt chunks")
+    if keys is not None:
+        out["key_pages"], out["key_start"] = list(every), list(every.values())
+    if chunk is not None:
+        out["decode"] = [first for first, (_, _, n) in zip(out["cu_q_lens"], runs) if n == 1]
+        out["chunk_pages"], out["chunk_start"] = list(chunks), list(chunks.values())
     for name, pad, n in (("kv_lens", 0, seqs), ("page_indices", [0] * pages, seqs), ("cu_q_lens", used, seqs + 1),
-                         ("positions", 0, tokens), ("slots", 0, tokens), ("unrow", 0, tokens),
-                         ("rows", [0] * qb, n_rows), ("row_seq", 0, n_rows), ("row_pos", [0] * qb, n_rows)):
-        out[name] += [pad] * (n - len(out[name]))
+                         ("positions", 0, tokens), ("slots", 0, tokens), ("token_seq", 0, tokens),
+                         ("key_pages", 0, keys), ("key_start", NO_KEY, keys), ("decode", 0, seqs),
+                         ("chunk_pages", 0, chunk), ("chunk_start", NO_KEY, chunk)):
+        if name in out:
+            out[name] += [pad] * (n - len(out[name]))
     return out
 
 
@@ -193,11 +210,12 @@ def replicator(model):
 
 
 class PagedCache(nn.Module):
-    """A layer's KV cache in the engine, in place of the model's `KVCache`: inside a step, `pages`
-    (num_pages, page_size, 2 * n_kv_heads, head_dim) are the pages handed in and `batch` the step's
-    `attention.RaggedBatch`. `attend` writes the step's keys and values into their pages, out of
-    place, keeping the result for the step to return, and attends over them: with the ragged
-    kernel if `kernel` (`attention.uses_kernel`), else the gather path (`attention.gather_attention`)."""
+    """A layer's KV cache in the engine, in place of the model's `KVCache`: inside a step, `pages` are
+    the pages handed in and `batch` the step's `attention.RaggedBatch`. `attend` writes the step's
+    keys and values into their pages, out of place, keeping the result for the step to return, and
+    attends over them: with the ragged kernel if `kernel` (`attention.uses_kernel`; pages in its
+    layout, `attention.write_pages`), else the flat path (`attention.flat_attention`; pages heads
+    first, `attention.write_heads`)."""
 
     def __init__(self, mesh, kernel):
         super().__init__()
@@ -206,40 +224,77 @@ class PagedCache(nn.Module):
 
     def attend(self, q, k, v, scale):
         """q (T, n_heads, head_dim), k, v (T, n_kv_heads, head_dim) -> (T, n_heads, head_dim)."""
-        self.pages = write_pages(self.pages, self.batch, k, v)
         if self.kernel:
+            self.pages = write_pages(self.pages, self.batch, k, v)
             return kernel_attention(q, self.pages, self.batch, scale, self.mesh)
-        return gather_attention(q, self.pages, self.batch, scale)
+        self.pages = write_heads(self.pages, self.batch, k, v)
+        return flat_attention(q, self.pages, self.batch, scale)
 
 
-def step_program(model, views, pages, pin, last, tokens, from_last, batch, seqs, targets=None):
+def packed(fields, put, dtype):
+    """fields {name: a host list, or a list of equal lists (2-D), or None: left out} as one device
+    tensor of dtype (one transfer, `put`) and its layout ((name, shape), ...), which `unpacked`
+    slices back inside the program."""
+    flat, layout = [], []
+    for name, value in fields.items():
+        if value is not None:
+            rows = value and isinstance(value[0], list)
+            flat += itertools.chain.from_iterable(value) if rows else value
+            layout.append((name, (len(value), len(value[0])) if rows else (len(value),)))
+    return put(torch.tensor(flat, dtype=dtype)), tuple(layout)
+
+
+def unpacked(flat, layout):
+    """{name: tensor} from one of `packed`'s tensors (on the device: views, no transfer)."""
+    sizes = [shape[0] * (shape[1] if len(shape) > 1 else 1) for _, shape in layout]
+    return {name: part.view(shape) for (name, shape), part in zip(layout, flat.split(sizes))}
+
+
+GREEDY_ROWS = 16  # the fewest sampler rows whose steps have an argmax variant (`ModelRunner.greedy_at`)
+KERNEL_ARGS = RaggedBatch._fields[:4]  # int32 on the device: the kernel's JAX side takes int32
+
+
+def step_program(model, views, pages, pin, last, ints, floats, layout, greedy=False):
     """One ragged step (`Llama.ragged`): the tokens of every request it runs on one flat axis.
 
-    tokens (T,): the host's input tokens; from_last (T,): the slot whose newest token, `last[slot]`
-    on the device, is the input instead (-1: the host's token). seqs, per sequence (S,): logits_at
-    (its last token on the flat axis), write_to (its slot, or the spare last row of `last` when it
-    samples nothing: a prompt chunk before its last), ints (S, 2) [seed, top_k], floats (S, 2)
-    [temperature, top_p]. targets (T,): the next prompt token at each position, for the prompt's
-    log-probabilities (None: not asked). Returns (a sampled token per sequence (S,), their
-    `logprobs_of`, the prompt's `logprobs_of` (T, ...) or None, last, pages)."""
-    logits_at, write_to, ints, floats = seqs
-    tokens = torch.where(from_last >= 0, last[from_last.clamp(min=0)], tokens)  # (T,)
+    ints, floats: the step's inputs, each packed in one tensor (`packed`; layout: their names and
+    shapes). Per token (T,): tokens, the host's input tokens; from_last, the slot whose newest
+    token, `last[slot]` on the device, is the input instead (-1: the host's token); targets, the
+    next prompt token at each position, for the prompt's log-probabilities (absent: not asked).
+    Per sequence (S,): logits_at (its last token on the flat axis), write_to (its slot, or the
+    spare last row of `last` when it samples nothing: a prompt chunk before its last), seed, top_k,
+    temperature, top_p. Then the fields of `attention.RaggedBatch`. greedy: every sequence that samples
+    is greedy and none asks for log-probabilities, so the program is an argmax (a variant of its own:
+    no top-k over the vocabulary, no log-softmax). Returns (a sampled token per sequence (S,), their
+    `logprobs_of` or None if greedy, the prompt's `logprobs_of` (T, ...) or None, last, pages)."""
+    x = unpacked(ints, layout[0]) | unpacked(floats, layout[1])
+    batch = RaggedBatch(*(x[k].int() if k in KERNEL_ARGS and k in x else x.get(k) for k in RaggedBatch._fields))
+    tokens = torch.where(x["from_last"] >= 0, last[x["from_last"].clamp(min=0)], x["tokens"])  # (T,)
     for view, p in zip(views, pages):
         view.pages, view.batch = p, batch
+    targets, logits_at = x.get("targets"), x["logits_at"]
     logits = model.ragged(tokens, batch.positions, None if targets is not None else logits_at)  # (S or T, vocab_size)
     prompt = None if targets is None else tuple(map(pin, logprobs_of(logits, targets)))
     logits = logits if targets is None else logits[logits_at]  # (S, vocab_size)
-    pos = batch.positions[logits_at].long()  # (S,) the position each samples from
-    nxt = sample_rows(logits, floats[:, 0], floats[:, 1], ints[:, 0], pos, ints[:, 1])  # (S,)
-    last = last.index_copy(0, write_to, nxt)  # (slots + 1,)
-    return pin(nxt), tuple(map(pin, logprobs_of(logits, nxt))), prompt, pin(last), [v.pages for v in views]
+    pos = batch.positions[logits_at]  # (S,) the position each samples from
+    if greedy:
+        nxt, lp = logits.argmax(dim=-1), None  # (S,): what sample_rows gives at temperature 0
+    else:
+        nxt = sample_rows(logits, x["temperature"], x["top_p"], x["seed"], pos, x["top_k"])  # (S,)
+        lp = tuple(map(pin, logprobs_of(logits, nxt)))
+    last = last.index_copy(0, x["write_to"], nxt)  # (slots + 1,)
+    pages = [v.pages for v in views]
+    for view in views:  # left set, each would be one more output the compiled call rebuilds every step
+        view.pages = view.batch = None
+    return pin(nxt), lp, prompt, pin(last), pages
 
 
-def doubling(first, last):
-    """first, 2 first, 4 first, ... up to last (included): e.g. (16, 32, 64, 100) for 16 and 100."""
+def growing(first, last, factor):
+    """first, factor x first, factor^2 x first, ... up to last (included): e.g. (8, 32, 96) for 8, 96
+    and 4."""
     out = [first]
     while out[-1] < last:
-        out.append(min(2 * out[-1], last))
+        out.append(min(factor * out[-1], last))
     return tuple(out)
 
 
@@ -254,10 +309,17 @@ class ModelRunner:
     `step` launches `step_program`, compiled with torch.compile(backend="openxla") if `compile`,
     else traced as lazy tensors at every call.
 
-    Shapes: T tokens (`token_buckets`, the largest the step's budget) and P pages per block table
-    (`page_buckets`: doubling up to a whole context's, so a step whose requests are short reads
-    few pages: the gather path's cost; the kernel reads only each sequence's kv length and takes
-    one P). A step with prompt log-probabilities runs at the largest of both (one more program)."""
+    The pool's layout follows the attention that reads it: the ragged kernel's on a TPU
+    (`attention.write_pages`), heads first with K and V apart elsewhere (`attention.write_heads`,
+    read by `attention.flat_attention`). Shapes: T tokens (`token_buckets`, the largest the step's
+    budget), S = min(T, slots) sequences (the LM head and the sampler run on S rows), and P pages
+    (`page_buckets`): the kernel reads each sequence's kv length and takes one P per block table,
+    a whole context's; the flat path gathers the step's pages, P of them in all, from 8 growing 4x
+    (few programs: each compiles in about 4 s on the CPU) up to what min(T, slots) whole contexts
+    hold. Each (T, P) has the sampler's program; decode-sized steps an argmax one too (`greedy_at`,
+    `step_program`); and on the flat path, steps with a prompt chunk beside decoding requests one
+    per chunk-page bucket C < P, split in two (`splits`, `attention.flat_attention`). A step with
+    prompt log-probabilities runs at the largest (one more program)."""
 
     def __init__(self, model, slots, num_pages, page_size, token_buckets, compile):
         self.device = torch_xla.device()
@@ -272,72 +334,115 @@ class ModelRunner:
         self.views = [PagedCache(getattr(self.model, "mesh", None), self.kernel) for _ in self.model.layers]
         for layer, view in zip(self.model.layers, self.views):
             layer.self_attn.kv_cache = view  # the model's fixed-slot caches go: the pages replace them
-        head_dim = kernel_head_dim(args.head_dim) if self.kernel else args.head_dim  # the kernel's: padded to 128
-        shape = (num_pages, page_size, 2 * args.n_kv_heads, head_dim)
-        spec = (None, None, "model" if "model" in self.mesh.axis_names else None, None)
+        heads = "model" if "model" in self.mesh.axis_names else None
+        if self.kernel:  # the kernel's head_dim: padded to 128
+            shape = (num_pages, page_size, 2 * args.n_kv_heads, kernel_head_dim(args.head_dim))
+            spec = (None, None, heads, None)
+        else:
+            shape, spec = (args.n_kv_heads, 2, num_pages, page_size, args.head_dim), (heads, None, None, None, None)
         self.pages = [to_sharded(lambda index: torch.zeros([s.stop - s.start for s in index], dtype=dtype),
                                  self.mesh, spec, shape) for _ in self.model.layers]
         self.last = self.put(torch.zeros(slots + 1, dtype=torch.long))  # each slot's newest token; a spare row
-        whole = pages_for(args.max_seq_len, page_size)
-        self.page_buckets = (whole,) if self.kernel else doubling(1, whole)
+        self.whole = pages_for(args.max_seq_len, page_size)  # a whole context's block table
+        self.page_buckets = (self.whole,) if self.kernel else growing(8, num_pages - 1, 4)  # the pool bounds the flat keys
         self.compile = compile
         self.program = compiled(step_program, len(self.shapes())) if compile else step_program
 
+    def most_pages(self, tokens):
+        """The largest P a step of `tokens` tokens can need: min(tokens, slots) whole contexts."""
+        return self.whole if self.kernel else \
+            round_up(min(min(tokens, self.slots) * self.whole, self.page_buckets[-1]), self.page_buckets)
+
+    def greedy_at(self, tokens):
+        """Whether steps of `tokens` tokens have the argmax variant: those of at most `slots` tokens
+        (larger ones carry a prompt chunk, whose MLP outweighs the sampler) with 16 or more sampler
+        rows (measured on the CPU, 8 layers: 4.5 of 36 ms at 16 rows, 7 of 75 at 32, nothing at 4)."""
+        return GREEDY_ROWS <= tokens <= self.slots
+
+    def splits(self, tokens):
+        """Whether steps of `tokens` tokens have programs split in two (`attention.flat_attention`): on
+        the flat path, with more tokens than `slots` (so a prompt chunk), and room for a decoding
+        request beside it."""
+        return not self.kernel and tokens > self.slots > 1
+
     def shapes(self):
-        """The (T, P, prompt log-probabilities) each step runs at: every pair, and the largest with them."""
-        return [(t, p, False) for t in self.token_buckets for p in self.page_buckets] + \
-            [(self.token_buckets[-1], self.page_buckets[-1], True)]
+        """The (T, P, C, prompt log-probabilities, greedy) each step runs at: every (T, P) a step can
+        need with the sampler in one group (C = 0), the argmax variant where it has one (`greedy_at`),
+        each (T, P) that `splits` split in two with its chunks' pages C < P, and the largest (T, P)
+        with prompt log-probabilities."""
+        pairs = [(t, p) for t in self.token_buckets for p in self.page_buckets if p <= self.most_pages(t)]
+        split = [(t, p, c) for t, p in pairs if self.splits(t) for c in self.page_buckets if c < p]
+        return [(t, p, 0, False, False) for t, p in pairs] + \
+            [(t, p, 0, False, True) for t, p in pairs if self.greedy_at(t)] + \
+            [(t, p, c, False, False) for t, p, c in split] + [(*pairs[-1], 0, True, False)]
 
     def put(self, t):
         """A host tensor on the device, annotated 'replicated' as data (not as a graph op, which
-        would make its first use a different graph from its later ones)."""
+        would make its first use a different graph from its later ones). On a one-device mesh too:
+        torch_xla's dynamo bridge compares each call's input shardings with the last call's, and
+        an input without one (which becomes 'replicated' once synced) sends every call through
+        its graph extraction again, about 10 ms of host time per step (measured)."""
         t = t.to(self.device)
         xs.mark_sharding(t, self.mesh, (None,) * t.dim())
         return t
 
     def shape(self, entries, echo):
-        """The (T, P) a step of these entries runs at."""
+        """The (T, P, C) a step of these entries runs at: C, its chunks' pages when it is split (more
+        tokens than `slots` and fewer chunk pages than P, in buckets), else 0."""
         if echo:
-            return self.token_buckets[-1], self.page_buckets[-1]
-        used = sum(n for _, _, n, _ in entries)
-        longest = max(pages_for(start + n, self.page_size) for _, start, n, _ in entries)
-        return round_up(used, self.token_buckets), round_up(longest, self.page_buckets)
+            return self.shapes()[-1][:3]
+        t = round_up(sum(n for _, _, n, _ in entries), self.token_buckets)
+        if self.kernel:
+            return t, self.whole, 0
+        every, chunks = pages_read([(r.pages, start, n) for r, start, n, _ in entries], self.page_size)
+        p, c = round_up(len(every), self.page_buckets), round_up(len(chunks), self.page_buckets)
+        return t, p, c if self.splits(t) and c < p else 0
 
-    def inputs(self, entries, echo, t, p):
+    def inputs(self, entries, echo, t, p, c):
         """The host side of a step: the plan's entries (request, start, n, samples) as step_program's
-        inputs, at T = t tokens and P = p pages per block table."""
-        layout = ragged_layout([(r.pages, start, n) for r, start, n, _ in entries], self.page_size, t, self.slots, p)
+        inputs, at T = t tokens, P = p pages (per block table for the kernel, in all for the flat
+        path) and C = c pages of prompt chunks (0: not split), in two transfers."""
+        seqs = min(t, self.slots)
+        runs = [(r.pages, start, n) for r, start, n, _ in entries]
+        layout = ragged_layout(runs, self.page_size, t, seqs, self.whole, None if self.kernel else p, c or None)
         tokens, from_last, targets = [0] * t, [-1] * t, [0] * t
         for (req, start, n, _), first in zip(entries, layout["cu_q_lens"]):
-            known = req.known
+            known = req.known_tokens(start, start + n)
             for i, pos in enumerate(range(start, start + n), first):
-                if pos < len(known):
-                    tokens[i] = known[pos]
+                if pos - start < len(known):
+                    tokens[i] = known[pos - start]
                 else:  # its newest token, made by the step before, not read yet
                     from_last[i] = req.slot
                 if pos + 1 < len(req.prompt):
                     targets[i] = req.prompt[pos + 1]
-        s = self.slots - len(entries)  # the sequences past the plan's: nothing
-        logits_at = [c - 1 for c in layout["cu_q_lens"][1:len(entries) + 1]] + [0] * s
-        write_to = [r.slot if samples else self.slots for r, _, _, samples in entries] + [self.slots] * s
-        ints = [[r.seed, r.top_k] for r, *_ in entries] + [[0, 0]] * s
-        floats = [[r.temperature, r.top_p] for r, *_ in entries] + [[0.0, 1.0]] * s
-        batch = ragged_batch(layout, self.put)
-        seqs = (self.put(torch.tensor(logits_at)), self.put(torch.tensor(write_to)), self.put(torch.tensor(ints)),
-                self.put(torch.tensor(floats)))
-        return self.put(torch.tensor(tokens)), self.put(torch.tensor(from_last)), batch, seqs, \
-            self.put(torch.tensor(targets)) if echo else None
+        s = seqs - len(entries)  # the sequences past the plan's: nothing
+        ints = dict(tokens=tokens, from_last=from_last, targets=targets if echo else None,
+                    logits_at=[c - 1 for c in layout["cu_q_lens"][1:len(entries) + 1]] + [0] * s,
+                    write_to=[r.slot if samples else self.slots for r, _, _, samples in entries] + [self.slots] * s,
+                    seed=[r.seed for r, *_ in entries] + [0] * s, top_k=[r.top_k for r, *_ in entries] + [0] * s,
+                    **layout)
+        floats = dict(temperature=[r.temperature for r, *_ in entries] + [0.0] * s,
+                      top_p=[r.top_p for r, *_ in entries] + [1.0] * s)
+        (ints, int_layout), (floats, float_layout) = packed(ints, self.put, torch.long), \
+            packed(floats, self.put, torch.float32)
+        return ints, floats, (int_layout, float_layout)
 
-    def step(self, entries, echo=False, shape=None):
+    def step(self, entries, echo=False, shape=None, greedy=None):
         """Launch one step for the plan's entries; returns its device outputs (a token per sequence
-        (slots,), their logprobs, the prompt's logprobs per flat token or None). echo: compute the
-        prompt's log-probabilities. shape: (T, P) instead of `self.shape(entries, echo)` (warm-up)."""
+        (S,), their logprobs or None, the prompt's logprobs per flat token or None). echo: compute the
+        prompt's log-probabilities. shape: (T, P, C) instead of `self.shape(entries, echo)`, and greedy:
+        the program variant instead of the entries' (warm-up)."""
+        shape = shape or self.shape(entries, echo)
+        if greedy is None:  # every entry that samples at temperature 0 and without log-probabilities
+            greedy = not echo and self.greedy_at(shape[0]) and all(
+                r.temperature == 0 and r.logprobs is None for r, _, _, samples in entries if samples)
         if self.compile:  # XLA may write the new pages and tokens into these buffers: updated in place
             for t in self.pages + [self.last]:
                 torch.ops.xla.dynamo_set_buffer_donor_(t, True)
         try:
             *out, last, pages = self.program(self.model, self.views, self.pages, self.pin, self.last,
-                                             *self.inputs(entries, echo, *(shape or self.shape(entries, echo))))
+                                             *self.inputs(entries, echo, *shape),
+                                             greedy)
         finally:
             for view in self.views:
                 view.pages = view.batch = None  # a reference alive at the sync would be one more output

@@ -41,7 +41,7 @@ https://arxiv.org/abs/2403.02310
 import collections
 import dataclasses
 
-from .kv_pages import page_hashes, pages_for
+from .kv_pages import ROOT, page_hash, page_hashes, pages_for
 
 
 @dataclasses.dataclass(eq=False)
@@ -87,6 +87,12 @@ class Request:
     def known(self):  # its tokens the host knows: the prompt and the tokens read back
         return self.prompt + self.tokens
 
+    def known_tokens(self, start, end):
+        """Its known tokens at positions start .. end - 1 (fewer past the last one known), without
+        joining the two lists: a step's work follows its new tokens, not the context."""
+        p = len(self.prompt)
+        return self.prompt[start:end] + self.tokens[max(start - p, 0):max(end - p, 0)]
+
     @property
     def length(self):  # its positions: the prompt and every token asked for
         return len(self.prompt) + self.dispatched
@@ -131,10 +137,12 @@ class Scheduler:
         self.running[req.slot] = None
 
     def register(self, req):
-        """Register req's full pages whose tokens are known and computed."""
+        """Register req's full pages whose tokens are known and computed (naming only the pages not
+        named yet, so a decode step hashes a page once, when it fills)."""
         ps = self.pool.page_size
-        req.hashes = page_hashes(req.known, ps, req.hashes)
-        full = min(len(req.hashes), req.computed // ps)
+        full = min(len(req.prompt) + len(req.tokens), req.computed) // ps
+        for i in range(len(req.hashes), full):
+            req.hashes.append(page_hash(req.hashes[-1] if req.hashes else ROOT, req.known_tokens(i * ps, (i + 1) * ps)))
         for i in range(req.registered, full):
             self.pool.register(req.pages[i], req.hashes[i])
         req.registered = max(req.registered, full)

@@ -53,7 +53,7 @@ from transformers import GenerationConfig, LlamaConfig
 from . import checkpoint, lora
 from .api import app
 from .cli import ArgumentParser, add_compile_cache_args, int_list, user_errors
-from .engine import BUCKETS, Engine, check_buckets
+from .engine import Engine, check_buckets, default_buckets
 from .mesh import make_mesh, mesh_shape
 from .model import Llama, ModelArgs
 from .parallel import check_tensor_parallel, replicate_kv_heads, shard_for_inference
@@ -182,14 +182,14 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     axis); max_seq_len: the longest request, prompt and tokens (the config's max_position_embeddings
     capped at 2048); mesh: (data, model) devices (default: `mesh_shape_for`; on a CPU it sets the
     number of virtual devices, as train's --mesh does); buckets: a step's token counts
-    (`engine.BUCKETS`); dtype: "bf16" or "fp32" (default: `runtime.default_dtype()`:
+    (`engine.default_buckets()`); dtype: "bf16" or "fp32" (default: `runtime.default_dtype()`:
     LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU); quantize: None, "int8" or "int4"
     (weight-only, `quantize.quantize`); compile: `Engine`'s (None: on a TPU); pages: the KV cache
     pool's pages (default: `slots` whole contexts); prefix_caching: reuse cached prompt pages.
     """
     config, step = read_config(path)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, MAX_SEQ_LEN)
-    buckets = tuple(buckets or BUCKETS)
+    buckets = tuple(buckets or default_buckets())
     check_lengths(config, max_seq_len, buckets, slots or 4)
     tokenizer = read_tokenizer(path, step, config)
     check_one_host()
@@ -340,7 +340,8 @@ def parse_args(argv=None):
     parser.add_argument("--mesh", type=mesh_arg, help="data,model devices, e.g. 1,8 (default: picked for the devices "
                                                       "and the model's heads)")
     parser.add_argument("--buckets", type=int_list("16,64,256"), help="a step's token counts, the largest its budget, "
-                                                         f"e.g. 16,64,256 (default: {','.join(map(str, BUCKETS))})")
+                                                         "e.g. 16,64,256 (default: engine.default_buckets(): "
+                                                         f"{','.join(map(str, default_buckets()))} here)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on; 0.0.0.0: every interface (then pass --api-key)")
     parser.add_argument("--port", type=bounded(0, 65535), default=8000, help="port to listen on; 0: any free port")

@@ -362,6 +362,24 @@ def test_compiled_with_dynamo_it_gives_the_same_tokens_and_compiles_nothing_afte
         lazy.submit(p, 8, temperature=0.5 + i, seed=i) for i, p in enumerate(ps[:3])])]
 
 
+def test_an_all_greedy_decode_step_runs_the_argmax_program_and_gets_the_same_tokens():
+    """A decode-sized step (T <= slots, 16 sampler rows or more: `ModelRunner.greedy_at`) whose requests
+    are all greedy and ask for no log-probabilities runs the argmax variant, warmed beside the
+    sampler's; the tokens are those Generator gives each prompt alone. One sampled request, or one
+    asking for log-probabilities, sends its steps to the sampler's program."""
+    eng, ps, ran = engine(slots=16), prompts(), []
+    assert {(t, g) for t, _, _, _, g in eng.runner.shapes()} == {(16, False), (16, True), (32, False)}
+    program = eng.runner.program
+    eng.runner.program = lambda *args: ran.append(args[-1]) or program(*args)
+    reqs = run(eng, [eng.submit(p, 10 + i) for i, p in enumerate(ps)])
+    assert [r.tokens for r in reqs] == list(expected()) and True in ran
+    ran.clear()
+    run(eng, [eng.submit(ps[0], 10), eng.submit(ps[1], 10, temperature=0.7, seed=1)])  # decoding together
+    run(eng, [eng.submit(ps[0], 10, logprobs=2)])
+    assert ran and True not in ran
+    assert eng.compiles_since_warmup == 0
+
+
 def test_abort_ends_every_request_with_an_error():
     eng = engine(slots=1)
     running, waiting = eng.submit(prompts()[0], 50), eng.submit(prompts()[1], 11)
@@ -405,14 +423,15 @@ def test_every_program_writes_the_kv_caches_in_place(runner, compile):
     model = Llama.from_hf(hf(), max_batch_size=3, max_seq_len=64)
     args, layers = model.args, len(model.layers)
     dtype = {torch.float32: "f32", torch.bfloat16: "bf16"}[model.embed_tokens.weight.dtype]
-    if runner == "engine":  # (num_pages, page_size, 2 * n_kv_heads, head_dim)
-        shape = rf"\d+,16,{2 * args.n_kv_heads},{args.head_dim}"
+    if runner == "engine":  # off a TPU, heads first: (n_kv_heads, 2, num_pages, page_size, head_dim)
+        eng = Engine(model, slots=3, buckets=(1, 8, 16), compile=compile)
+        shape = ",".join(map(str, eng.runner.pages[0].shape))  # the pool's (the step's gathered pages are not a cache)
     else:  # (any row count, max_seq_len, n_kv_heads, head_dim)
         shape = rf"\d+,64,{args.n_kv_heads},{args.head_dim}"
     is_cache = re.compile(rf"{dtype}\[{shape}\]").fullmatch
     with hlo.compiled_hlo() as modules:
         if runner == "engine":
-            Engine(model, slots=3, buckets=(1, 8, 16), compile=compile).warmup()
+            eng.warmup()
         else:
             Generator(model, buckets=(8, 16), compile=compile).generate([[1, 2, 3]], 4)
     writes = [[p for p in hlo.aliased_parameters(m)[0] if is_cache(p)] for m in modules
@@ -430,7 +449,7 @@ def test_steps_allocate_no_cache(compile):
     for the CPU's SPMD device.) A pool of 64 pages of 16 positions, larger than all else a step returns."""
     model = Llama.from_hf(hf(), max_batch_size=2, max_seq_len=256)
     eng = Engine(model, slots=2, buckets=(8,), compile=compile, pages=64)
-    pages = eng.runner.pages[0]  # (64, 16, 2 * n_kv_heads, head_dim)
+    pages = eng.runner.pages[0]  # (n_kv_heads, 2, 64, 16, head_dim)
     with hlo.compiled_hlo(hlo.BUFFER_ASSIGNMENT) as buffers:
         reqs = run(eng, [eng.submit(p, 40, temperature=1.0, seed=1) for p in prompts((5, 7), seed=4)])
     assert all(len(r.tokens) == 40 for r in reqs)

@@ -132,3 +132,22 @@ def test_replay_counts_each_requests_pages_per_step():
     assert timeline[0] == {0: 2, 1: 1}
     assert timeline[1] == {0: 2, 1: 1}
     assert 2 in timeline[3] and 1 not in timeline[3]  # the second ended on its first token (an EOS)
+
+
+def test_a_decode_step_hashes_a_page_once_when_it_fills_whatever_the_context(monkeypatch):
+    """The scheduler's work per step follows the step's new tokens: after a 4,000-token prompt, 64
+    decode steps of 16-position pages name 4 new pages (one each time a page fills) and never join
+    the prompt and the tokens into one list (`Request.known`), which would cost the whole context."""
+    from llama_xla_helpers import scheduler as module
+    hashed, joined = [], []
+    monkeypatch.setattr(module, "page_hash", lambda parent, tokens, extra=(): hashed.append(len(tokens)) or parent)
+    monkeypatch.setattr(Request, "known", property(lambda r: joined.append(1) or r.prompt + r.tokens))
+    sched = Scheduler(slots=1, budget=4096, pool=PagePool(300, 16))
+    long = req(4000, 65)
+    sched.add(long)
+    sched.schedule()  # the whole prompt: its 250 pages named when admitted
+    hashed.clear(), joined.clear()
+    for _ in range(64):
+        long.tokens.append(7)  # the token the last step made, read back
+        assert runs(sched.schedule()) == [(long, len(long.prompt) + len(long.tokens) - 1, 1)]
+    assert hashed == [16] * 4 and joined == []

@@ -9,7 +9,7 @@ kernel's path compiles with the kernel's op running a reference in its place.
 - Interpret mode: `attention.flash_attention` (its padding, segment ids and GQA repeat) with
   JAX's kernel in torch_xla's place, run by the Pallas interpreter: values and gradients equal
   `blockwise_attention`'s.
-- The compiled serving step on the kernel's path gives the gather path's tokens.
+- The compiled serving step on the kernel's path gives the flat path's tokens.
 Needs JAX (the `scan` extra, which `make` installs)."""
 import argparse
 import functools
@@ -249,11 +249,11 @@ def test_a_lazy_step_asks_torch_xla_to_keep_the_ragged_kernels_lowering(lowered,
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (N // tp_size(4), tp_size(4))], ids=["unsharded", "tensor-parallel"])
-def test_the_compiled_step_on_the_kernels_path_gives_the_gather_paths_tokens(monkeypatch, mesh_shape):
+def test_the_compiled_step_on_the_kernels_path_gives_the_flat_paths_tokens(monkeypatch, mesh_shape):
     """On a faked TPU the runner takes the kernel's path: pages padded to head_dim 128, the kernel's
     op (`attention.paged_kernel`, its reference inside here) in a step compiled with
     torch.compile(fullgraph=True), on each device's heads on a tensor-parallel mesh. Its tokens are
-    the gather path's (Generator's alone), and nothing compiles after warm-up."""
+    the flat path's (Generator's alone), and nothing compiles after warm-up."""
     from test_engine import engine, expected, prompts, run
     want = expected()[:5]  # Generator's, on the CPU's paths
     monkeypatch.setattr(attention, "on_tpu", lambda: True)
@@ -273,7 +273,7 @@ def test_the_doctor_on_a_tpu_needs_jax_and_runs_both_kernels(monkeypatch):
     here) and a compiled engine step on the ragged kernel's path (its reference here), its tokens
     checked teacher-forced (a TPU's bf16 programs round differently), and says which path each ran."""
     args = argparse.Namespace(seq_len=192, dtype=None)
-    assert doctor.check_kernels(args).startswith("training at seq_len 192 attends blockwise, serving with the gather")
+    assert doctor.check_kernels(args).startswith("training at seq_len 192 attends blockwise, serving with the flat")
     monkeypatch.setattr(attention, "on_tpu", lambda: True)
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "jax", None)
