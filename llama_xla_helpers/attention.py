@@ -335,8 +335,9 @@ class RaggedBatch(NamedTuple):
 
 
 def ragged_batch(layout, put=lambda t: t):
-    """A RaggedBatch of host lists (`runner.ragged_layout`), each a tensor passed through `put`: int32 for the kernel's four arguments (its JAX side takes int32), int64
-    for the rest (the indices torch_xla's gathers and index_copy take)."""
+    """A RaggedBatch of host lists (`runner.ragged_layout`), each a tensor passed through `put`:
+    int32 for the kernel's four arguments (its JAX side takes int32), int64 for the rest (the
+    indices torch_xla's gathers and index_copy take)."""
     kernel = RaggedBatch._fields[:4]
     return RaggedBatch(**{k: put(torch.tensor(v, dtype=torch.int32 if k in kernel else torch.long))
                           for k, v in layout.items()})

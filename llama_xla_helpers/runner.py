@@ -417,7 +417,7 @@ class ModelRunner:
                     targets[i] = req.prompt[pos + 1]
         s = seqs - len(entries)  # the sequences past the plan's: nothing
         ints = dict(tokens=tokens, from_last=from_last, targets=targets if echo else None,
-                    logits_at=[c - 1 for c in layout["cu_q_lens"][1:len(entries) + 1]] + [0] * s,
+                    logits_at=[end - 1 for end in layout["cu_q_lens"][1:len(entries) + 1]] + [0] * s,
                     write_to=[r.slot if samples else self.slots for r, _, _, samples in entries] + [self.slots] * s,
                     seed=[r.seed for r, *_ in entries] + [0] * s, top_k=[r.top_k for r, *_ in entries] + [0] * s,
                     **layout)
