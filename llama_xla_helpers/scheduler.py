@@ -41,7 +41,7 @@ https://arxiv.org/abs/2403.02310
 import collections
 import dataclasses
 
-from .kv_pages import ROOT, page_hash, page_hashes, pages_for
+from .kv_pages import page_hashes, pages_for
 
 
 @dataclasses.dataclass(eq=False)
@@ -137,12 +137,12 @@ class Scheduler:
         self.running[req.slot] = None
 
     def register(self, req):
-        """Register req's full pages whose tokens are known and computed (naming only the pages not
-        named yet, so a decode step hashes a page once, when it fills)."""
+        """Register req's full pages whose tokens are known and computed (naming pages only when one
+        has filled, so a decode step does no work proportional to the context in between)."""
         ps = self.pool.page_size
         full = min(len(req.prompt) + len(req.tokens), req.computed) // ps
-        for i in range(len(req.hashes), full):
-            req.hashes.append(page_hash(req.hashes[-1] if req.hashes else ROOT, req.known_tokens(i * ps, (i + 1) * ps)))
+        if full > len(req.hashes):
+            req.hashes = page_hashes(req.known_tokens(0, full * ps), ps, req.hashes)
         for i in range(req.registered, full):
             self.pool.register(req.pages[i], req.hashes[i])
         req.registered = max(req.registered, full)

@@ -138,9 +138,9 @@ def test_a_decode_step_hashes_a_page_once_when_it_fills_whatever_the_context(mon
     """The scheduler's work per step follows the step's new tokens: after a 4,000-token prompt, 64
     decode steps of 16-position pages name 4 new pages (one each time a page fills) and never join
     the prompt and the tokens into one list (`Request.known`), which would cost the whole context."""
-    from llama_xla_helpers import scheduler as module
+    from llama_xla_helpers import kv_pages
     hashed, joined = [], []
-    monkeypatch.setattr(module, "page_hash", lambda parent, tokens, extra=(): hashed.append(len(tokens)) or parent)
+    monkeypatch.setattr(kv_pages, "page_hash", lambda parent, tokens, extra=(): hashed.append(len(tokens)) or parent)
     monkeypatch.setattr(Request, "known", property(lambda r: joined.append(1) or r.prompt + r.tokens))
     sched = Scheduler(slots=1, budget=4096, pool=PagePool(300, 16))
     long = req(4000, 65)
