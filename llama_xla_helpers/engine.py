@@ -126,7 +126,8 @@ class Engine:
     prefix_caching: reuse cached pages of earlier requests. eos_id: an id or a collection of ids
     that end a request (Llama 3 has several). decode: tokens -> text (a tokenizer's decode), needed
     for text and stop strings. on_recompile: "raise" (a `RecompileError` from `step`) or "count"
-    (only `compiles_since_warmup`). compile: torch.compile the runner's program (default: on a TPU).
+    (only `compiles_since_warmup`). compile: torch.compile the runner's program (default: on a TPU;
+    its graphs may hold the weights as constants, `runner.compiled`: a new engine after changing them).
     """
 
     def __init__(self, model, slots=None, buckets=None, max_queue=64, eos_id=None, decode=None,

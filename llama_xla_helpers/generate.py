@@ -21,6 +21,7 @@ on PyTorch/XLA", PyTorch blog, https://pytorch.org/blog/path-achieve-low-inferen
 Llama 2 post, "High-Performance Llama 2 Training and Inference with PyTorch/XLA on Cloud TPUs",
 PyTorch blog, https://pytorch.org/blog/high-performance-llama-2/
 """
+import functools
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -29,8 +30,9 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 
+from .mesh import make_mesh
 from .metrics import count_compiles
-from .runner import Caches, attach, compiled, default_compile, mark_replicated, replicator
+from .runner import Caches, attach, compiled, default_compile, mark_replicated, put_replicated, replicator
 from .sampling import SAMPLE_TOP_K, sample_rows  # noqa: F401  SAMPLE_TOP_K: also generate's, as before
 from .tokenizer import ByteTokenizer, load_tokenizer  # noqa: F401  load_tokenizer: also generate's, as before
 
@@ -132,7 +134,9 @@ class Generator:
     the Python once per shape) instead of lazy tensor tracing every call; both compile one
     XLA graph per shape, and both update the KV caches in place (`runner.Caches`: a compiled
     step's caches are donated). The default (None) is the engine's: compiled on a TPU, where a
-    step takes milliseconds and tracing it every token would dominate; lazy elsewhere.
+    step takes milliseconds and tracing it every token would dominate; lazy elsewhere. A compiled
+    step's graphs may hold the model's weights as constants (`runner.compiled`): after changing
+    them in place, build a new Generator.
     """
 
     def __init__(self, model, buckets=(128, 256, 384, 512), eos_check_interval=10, compile=None):
@@ -146,6 +150,7 @@ class Generator:
         self.buckets, self.eos_check_interval = buckets, eos_check_interval
         self.kv_lens = kv_buckets(buckets, model.args.max_seq_len)
         self.pin = replicator(self.model)
+        self.put = functools.partial(put_replicated, mesh=getattr(self.model, "mesh", None) or make_mesh())
         compile = default_compile() if compile is None else compile
         shapes = 2 * (len(prefill_shapes(buckets, model.args.max_seq_len)) + len(self.kv_lens))  # greedy, sampled
         self.step = compiled(step, shapes) if compile else step
@@ -162,42 +167,51 @@ class Generator:
         """
         sections = self.check(prompt_tokens, max_new_tokens, temperature, top_p, eos_id)
         seed = random.getrandbits(31) if seed is None else seed  # as the engine; torch's generator stays as it was
-        seeds = ((torch.arange(len(prompt_tokens)) + seed) & 0x7FFFFFFF).to(self.device)  # (bsz,)
         compiles, start = count_compiles(), time.perf_counter()
         # Shape (1,), not 0-dim: XLA bakes 0-dim zeros and ones into the graph as constants.
-        sampling = [torch.tensor([v]).to(self.device) for v in  # tensors: new values, same graph
+        sampling = [torch.tensor([v]) for v in  # tensors: new values, same graph
                     (float(temperature or 1.0), float(top_p), -1 if eos_id is None else eos_id)]
-        sampling.append(temperature == 0)  # greedy or not: a Python bool, so two graphs
-        state, pad = self.prefill(prompt_tokens, sections, sampling, seeds)
+        sampling += [temperature == 0, (torch.arange(len(prompt_tokens)) + seed) & 0x7FFFFFFF]  # greedy (two graphs), seeds
+        state, pad = self.prefill(prompt_tokens, sections, sampling)
         xm.wait_device_ops()
         prefill_s = time.perf_counter() - start
-        state, steps = self.decode(state, pad, sampling, max_new_tokens, eos_id is not None, seeds, sum(sections))
+        state, steps = self.decode(state, pad, sampling, max_new_tokens, eos_id is not None, sum(sections))
         generated = state[3].cpu()[:, :steps].tolist()
         decode_s = time.perf_counter() - start - prefill_s
         stats = Stats(len(prompt_tokens), steps, len(sections), prefill_s, decode_s, count_compiles() - compiles)
         return [cut_at_eos(row, eos_id) for row in generated], stats
 
-    def prefill(self, prompt_tokens, sections, sampling, seed=None):
-        """Left-pad the prompts to sum(sections) slots and run the sections; returns (step state, pad)."""
+    def run(self, tokens, input_pos, pad, out, out_pos, done, sampling, kv_len):
+        """Launch the step (`runner.Caches.run`) and return its state. pad (bsz,) and sampling
+        (temperature, top_p, eos_id, greedy, seeds (bsz,)) are host tensors, put on the device
+        afresh for every program: an input handed to two programs that compile in turn would be
+        a constant of the second (`runner.put_replicated`)."""
+        temperature, top_p, eos_id, greedy, seeds = sampling
+        pad, temperature, top_p, eos_id, seeds = map(self.put, (pad, temperature, top_p, eos_id, seeds))
+        return self.caches.run(self.step, self.pin, tokens, input_pos, pad, out, out_pos, done, temperature, top_p,
+                               eos_id, greedy, seed=seeds, kv_len=kv_len)
+
+    def prefill(self, prompt_tokens, sections, sampling):
+        """Left-pad the prompts to sum(sections) slots and run the sections (`run`'s sampling);
+        returns (step state, pad (bsz,) on the host)."""
         bsz, width = len(prompt_tokens), sum(sections)
         padded = torch.zeros(bsz, width, dtype=torch.long)  # the padding's token id never matters
         for b, p in enumerate(prompt_tokens):
             padded[b, width - len(p):] = torch.tensor(p)
-        pad = torch.tensor([width - len(p) for p in prompt_tokens]).to(self.device)  # (bsz,)
-        out = torch.zeros(bsz, self.model.args.max_seq_len, dtype=torch.long).to(self.device)
-        out_pos = torch.zeros(1, dtype=torch.long).to(self.device)
-        done = torch.zeros(bsz, dtype=torch.bool).to(self.device)
+        pad = torch.tensor([width - len(p) for p in prompt_tokens])  # (bsz,)
+        out = self.put(torch.zeros(bsz, self.model.args.max_seq_len, dtype=torch.long))
+        out_pos = self.put(torch.zeros(1, dtype=torch.long))
+        done = self.put(torch.zeros(bsz, dtype=torch.bool))
         pos = 0
         for n in sections:  # each section writes token 0 (the same graph); the last one's is kept
-            tokens, input_pos = padded[:, pos:pos + n].to(self.device), torch.arange(pos, pos + n).to(self.device)
+            tokens, input_pos = self.put(padded[:, pos:pos + n]), self.put(torch.arange(pos, pos + n))
             kv_len = n if pos == 0 else round_up(pos + n, self.kv_lens)  # a first section reads only itself
-            state = self.caches.run(self.step, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling, seed=seed,
-                                    kv_len=kv_len)
+            state = self.run(tokens, input_pos, pad, out, out_pos, done, sampling, kv_len)
             out = state[3]
             pos += n
         return state, pad
 
-    def decode(self, state, pad, sampling, max_new_tokens, check_eos, seed, width):
+    def decode(self, state, pad, sampling, max_new_tokens, check_eos, width):
         """Step until max_new_tokens tokens or until every row has produced EOS, the first input at
         cache slot `width` (the padded prompt's length); returns (state, tokens)."""
         steps = 1  # prefill made the first token
@@ -206,8 +220,7 @@ class Generator:
                 break  # the one read of a device value, every eos_check_interval steps (Llama 2 post)
             tokens, input_pos, out_pos, out, done, _ = state
             kv_len = round_up(width + steps, self.kv_lens)  # holds the input's slot, width + steps - 1
-            state = self.caches.run(self.step, self.pin, tokens, input_pos, pad, out, out_pos, done, *sampling, seed=seed,
-                                    kv_len=kv_len)
+            state = self.run(tokens, input_pos, pad, out, out_pos, done, sampling, kv_len)
             steps += 1
         return state, steps
 

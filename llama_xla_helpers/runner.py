@@ -30,6 +30,7 @@ would. `Caches` does the same for `Generator`'s fixed-slot caches.
 Sources: vLLM v1's model runners, https://github.com/vllm-project/vllm (vllm/v1/worker/); torch_xla's
 buffer donation under torch.compile, https://github.com/pytorch/xla/blob/v2.9.0/docs/source/perf/dynamo.md
 """
+import functools
 import itertools
 
 import torch
@@ -172,16 +173,22 @@ def default_compile():
 
 
 def compiled(fn, shapes):
-    """`torch.compile(fn, backend="openxla")` for a step traced once per shape (`shapes` of them).
+    """`torch.compile(fn, backend="openxla")` for a step traced once per shape (`shapes` of them),
+    with graphs of its own.
 
-    Dynamo keeps one cache per function for the whole process, and past its recompile limit (8) it
-    runs the function uncompiled, silently: a Generator or runner over another model traces its
-    shapes again, so each adds its own to the limit, and running out raises instead."""
+    Dynamo keeps one cache per function for the whole process and hands a model's weights to the
+    graph as inputs, so a graph traced for one model would pass its guards for another of the same
+    shapes. But torch_xla's bridge may keep an input as a constant of the graph (`put_replicated`):
+    measured here, a second model's decode steps ran the first one's weights. A backend of its own
+    per call keeps Dynamo from sharing graphs between calls (it keys its cache by backend), so each
+    Generator or runner traces its shapes again; each adds them to the recompile limit (past it,
+    Dynamo would run the function uncompiled, silently), and running out raises instead."""
     config = torch._dynamo.config
     config.recompile_limit += shapes
     config.accumulated_recompile_limit += shapes
     config.fail_on_recompile_limit_hit = True
-    return torch.compile(fn, backend="openxla", fullgraph=True, dynamic=False)
+    openxla = torch._dynamo.lookup_backend("openxla")
+    return torch.compile(fn, backend=lambda gm, inputs: openxla(gm, inputs), fullgraph=True, dynamic=False)
 
 
 def mark_replicated(model):
@@ -194,6 +201,24 @@ def mark_replicated(model):
     mesh = make_mesh()
     for t in list(model.parameters()) + list(model.buffers()):
         xs.mark_sharding(t, mesh, (None,) * t.dim())
+
+
+def put_replicated(t, mesh):
+    """A host tensor on the device as a program's input, annotated 'replicated' on `mesh` as data
+    (not as a graph op, which would make its first use a different graph from its later ones).
+
+    On a one-device mesh too: torch_xla's dynamo bridge compares each call's input shardings with
+    the last call's, and an input without one (which becomes 'replicated' once synced) sends every
+    call through its graph extraction again, about 10 ms of host time per step (measured).
+
+    Put an input afresh for every program that reads it, unless a program made it: the bridge
+    matches a graph's inputs to the call's arguments by the id stamped on each device buffer, and a
+    tensor that was an argument while one graph compiled carries another id when the next one
+    compiles, which then keeps it as a constant: every later call reads the traced value (measured
+    here with `Generator`'s padding; found in https://github.com/tenstorrent/tt-xla/issues/6019)."""
+    t = t.to(torch_xla.device())
+    xs.mark_sharding(t, mesh, (None,) * t.dim())
+    return t
 
 
 def replicator(model):
@@ -327,6 +352,7 @@ class ModelRunner:
         if getattr(self.model, "mesh", None) is None:
             mark_replicated(self.model)
         self.mesh = getattr(self.model, "mesh", None) or make_mesh()
+        self.put = functools.partial(put_replicated, mesh=self.mesh)  # a host tensor, a step's input
         self.pin = replicator(self.model)
         args, dtype = self.model.args, self.model.embed_tokens.weight.dtype
         self.slots, self.page_size, self.token_buckets = slots, page_size, tuple(token_buckets)
@@ -375,16 +401,6 @@ class ModelRunner:
         return [(t, p, 0, False, False) for t, p in pairs] + \
             [(t, p, 0, False, True) for t, p in pairs if self.greedy_at(t)] + \
             [(t, p, c, False, False) for t, p, c in split] + [(*pairs[-1], 0, True, False)]
-
-    def put(self, t):
-        """A host tensor on the device, annotated 'replicated' as data (not as a graph op, which
-        would make its first use a different graph from its later ones). On a one-device mesh too:
-        torch_xla's dynamo bridge compares each call's input shardings with the last call's, and
-        an input without one (which becomes 'replicated' once synced) sends every call through
-        its graph extraction again, about 10 ms of host time per step (measured)."""
-        t = t.to(self.device)
-        xs.mark_sharding(t, self.mesh, (None,) * t.dim())
-        return t
 
     def shape(self, entries, echo):
         """The (T, P, C) a step of these entries runs at: C, its chunks' pages when it is split (more

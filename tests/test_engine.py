@@ -362,6 +362,22 @@ def test_compiled_with_dynamo_it_gives_the_same_tokens_and_compiles_nothing_afte
         lazy.submit(p, 8, temperature=0.5 + i, seed=i) for i, p in enumerate(ps[:3])])]
 
 
+def test_a_compiled_engine_over_another_model_of_the_same_shapes_runs_its_own_weights():
+    """Two compiled engines, over models of the same shapes and other weights: each gives its lazy
+    engine's tokens. (Dynamo's cache is per function, and torch_xla's bridge keeps some weights as
+    constants of a graph: the second engine once ran the first one's weights. `runner.compiled`.)"""
+    ps = prompts()[:3]
+    for seed in (0, 1):
+        hf_seed = hf_model(get_config("tiny", num_hidden_layers=2, initializer_range=0.2), seed=seed)
+        got = {}
+        for compile in (False, True):
+            eng = Engine(Llama.from_hf(hf_seed, max_batch_size=2, max_seq_len=MAX_SEQ_LEN), slots=2, buckets=BUCKETS,
+                         compile=compile)
+            eng.warmup()
+            got[compile] = eng.generate(ps, 8)
+        assert got[True] == got[False], f"model {seed}"
+
+
 def test_an_all_greedy_decode_step_runs_the_argmax_program_and_gets_the_same_tokens():
     """A decode-sized step (T <= slots, 16 sampler rows or more: `ModelRunner.greedy_at`) whose requests
     are all greedy and ask for no log-probabilities runs the argmax variant, warmed beside the

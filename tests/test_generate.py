@@ -182,15 +182,37 @@ def test_eos_stops_within_check_interval():
     assert stats.compiles == 0  # eos_id is a tensor too
 
 
-def test_torch_compile_variant_matches_lazy():
+def test_torch_compile_variant_matches_lazy_call_after_call():
+    """Calls of other paddings, sections, EOS ids and sampling values, one after another: the compiled
+    Generator gives lazy tracing's tokens in each, whichever call traced the program it runs. (A
+    program input that an earlier program also read became a constant of it in torch_xla's dynamo
+    bridge: the second call decoded with the first one's padding. `Generator.run`.)"""
     hf = hf_model(tiny(layers=1))
-    batch = prompts((6, 33))
-    lazy, _ = Generator(Llama.from_hf(hf, 2, 128), buckets=BUCKETS).generate(batch, 16)
+    lazy = Generator(Llama.from_hf(hf, 2, 128), buckets=BUCKETS)
     dynamo = Generator(Llama.from_hf(hf, 2, 128), buckets=BUCKETS, compile=True)
-    tokens, stats = dynamo.generate(batch, 16)
-    assert tokens == lazy
-    assert stats.compiles <= 1 + 2
-    assert dynamo.generate(batch, 30)[1].compiles == 0
+    calls = [(prompts((6, 33)), {}), (prompts((20, 25), seed=5), {}), (prompts((40, 9), seed=2), {}),
+             (prompts((20, 25), seed=5), dict(temperature=0.8, seed=3)),
+             (prompts((40, 9), seed=2), dict(temperature=1.0, top_p=0.9, seed=4))]
+    want = [lazy.generate(batch, 16, **kw)[0] for batch, kw in calls]
+    eos = want[1][0][5]
+    calls.append((calls[1][0], dict(eos_id=eos)))
+    want.append(lazy.generate(*calls[-1][:1], 16, **calls[-1][1])[0])
+    assert want[-1][0] == want[1][0][:6] and want[-1] != want[1]  # EOS ends row 0 early
+    assert all(len(set(row)) > 3 for rows in want for row in rows), "the model repeats itself: the test proves nothing"
+    got = [dynamo.generate(batch, 16, **kw) for batch, kw in calls]
+    assert [tokens for tokens, _ in got] == want
+    assert [dynamo.generate(batch, 16, **kw)[1].compiles for batch, kw in calls] == [0] * len(calls)
+
+
+def test_compiled_generators_over_two_models_of_the_same_shapes_each_run_their_own_weights():
+    """(Dynamo's cache is per function, and torch_xla's bridge keeps some weights as constants of a
+    graph: the second model's decode steps once ran the first one's weights. `runner.compiled`.)"""
+    batch = prompts((6, 33))
+    for seed in (0, 1):
+        hf = hf_model(tiny(layers=1), seed=seed)
+        lazy, _ = Generator(Llama.from_hf(hf, 2, 128), buckets=BUCKETS).generate(batch, 8)
+        dynamo, _ = Generator(Llama.from_hf(hf, 2, 128), buckets=BUCKETS, compile=True).generate(batch, 8)
+        assert dynamo == lazy, f"model {seed}"
 
 
 def test_compile_defaults_to_the_engines_choice_torch_compile_on_a_tpu(monkeypatch):
@@ -198,6 +220,7 @@ def test_compile_defaults_to_the_engines_choice_torch_compile_on_a_tpu(monkeypat
     assert Generator(model, buckets=BUCKETS).step is generate.step  # the CPU: lazy tracing
     monkeypatch.setattr(torch_xla.runtime, "device_type", lambda: "TPU")
     monkeypatch.setattr(generate, "mark_replicated", lambda model: None)  # a TPU's mesh needs TPU devices
+    monkeypatch.setattr(generate, "make_mesh", lambda: None)
     assert Generator(model, buckets=BUCKETS).step is not generate.step  # Dynamo's wrapper
     assert Generator(model, buckets=BUCKETS, compile=False).step is generate.step
 
