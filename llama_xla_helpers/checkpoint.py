@@ -3,6 +3,7 @@
     save("ckpt", step, model, optimizer, extra=dict(seed=0))  # writes ckpt/step_00000100/
     init_optimizer_state(optimizer)                           # a fresh optimizer has no state to load into
     meta = load("ckpt", model, optimizer)                     # the newest complete checkpoint, in place
+    saver = AsyncSaver(); saver.save("ckpt", step, model)     # in the background; saver.close() at the end
     export_hf(model, "hf"); hf = load_hf("hf")                # a plain CPU LlamaForCausalLM
     shard_params(meta_model, mesh, init=hf_reader("hf"))      # or straight into the shards, block by block
 
@@ -33,6 +34,7 @@ import pickle
 import re
 import shutil
 import signal
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner, prime_optimizer
+from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 from transformers import LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -61,7 +64,7 @@ SHARED = ("checkpoint_dir must be one folder that every host sees: put it on a s
           "(NFS, Filestore) or use a gs:// URL")
 VISIBLE_WAIT = 30  # seconds a host keeps looking for a checkpoint just saved (NFS may show new files late)
 CRASH_IN_SAVE = "LLAMA_XLA_CRASH_IN_SAVE"  # test hook: a step whose save kills the process halfway
-THREADS = 4  # files each host writes (DCP's thread_count) and hashes at once
+THREADS = 4  # files each host writes at once (DCP's thread_count)
 
 
 class _SavePlanner(SPMDSavePlanner):
@@ -70,13 +73,13 @@ class _SavePlanner(SPMDSavePlanner):
     When several devices of one process hold the same block (a tensor split over part of the
     mesh, e.g. Adafactor's (rows, 1) factor: sharded on 'data', replicated on 'model'),
     torch_xla 2.9 plans one write per device and its dedup then drops every copy: the tensor
-    is missing from the checkpoint. Here only replica 0 of each block is planned.
+    is missing from the checkpoint. Here only replica 0 of each block is planned. (The state it
+    gets is staged in host memory, `_stage`: its sharded tensors are torch_xla's _CpuShards.)
     """
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        replica = {fqn: [r for r, _ in torch_xla._XLAC._get_local_shard_replica_and_indices([t.global_tensor])[0]]
-                   for fqn, t in self.sharded_state_dict.items()}
+        replica = {fqn: [shard.replica_id for shard in t.shards] for fqn, t in self.sharded_state_dict.items()}
         items = [i for i in plan.items if i.index.fqn not in replica or replica[i.index.fqn][i.index.index] == 0]
         return dataclasses.replace(plan, items=items)
 
@@ -98,10 +101,13 @@ def host_group():
     return dist.group.WORLD
 
 
+_SAVING = threading.local()  # .group: the gloo group of `AsyncSaver`'s thread (None elsewhere: the hosts' group)
+
+
 def _barrier(no_dist):
     """Wait for every host (xm.rendezvous would compile and run an XLA graph, even alone)."""
     if not no_dist:
-        dist.barrier()
+        dist.barrier(group=getattr(_SAVING, "group", None))
 
 
 def _gather(value):
@@ -109,7 +115,7 @@ def _gather(value):
     if _no_dist():
         return [value]
     values = [None] * xr.process_count()
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=getattr(_SAVING, "group", None))
     return values
 
 
@@ -181,20 +187,42 @@ def _exists(path):
     return fs.exists(inner)
 
 
-def _file_sums(path, mine):
-    """{file name: {"size", "sha256"}} of the files in the checkpoint folder for which `mine(name)`
-    is true, hashed THREADS at a time (hashlib lets go of the GIL on large reads)."""
-    fs, inner = _fs(path)
-    files = [f for f in sorted(fs.ls(inner, detail=False)) if _name(f) != META and mine(_name(f))]
-    with ThreadPoolExecutor(THREADS) as pool:
-        sums = pool.map(lambda f: dict(size=fs.size(f), sha256=_sha256(fs, f)), files)
-    return dict(zip(map(_name, files), sums))
+class _Hashed:
+    """A stream being written, hashed on the way: `size` bytes so far and their `sha256`."""
+
+    def __init__(self, raw):
+        self.raw, self.sha256, self.size = raw, hashlib.sha256(), 0
+
+    def write(self, b):
+        self.sha256.update(b)
+        self.size += memoryview(b).nbytes
+        return self.raw.write(b)
+
+    def __getattr__(self, name):  # tell, flush, fileno, close
+        return getattr(self.raw, name)
 
 
-def _own_files(rank, lead):
-    """Which files of a checkpoint a host wrote: DCP names a host's shards __<rank>_<i>.distcp, and
-    the coordinator (host 0) writes .metadata."""
-    return lambda name: name.startswith(f"__{rank}_") or (lead and not name.startswith("__"))
+class _HashingFileSystem:
+    """A DCP storage writer's file system whose files are hashed as they are written (DCP writes
+    each file front to back): `sums` {file name: {"size", "sha256"}} of what this host wrote, so
+    no file is read back to hash it (from gs:// that would download the whole checkpoint)."""
+
+    def __init__(self, fs):
+        self.fs, self.sums = fs, {}
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with self.fs.create_stream(path, mode) as raw:
+            stream = _Hashed(raw)
+            yield stream
+        self.sums[_name(path)] = dict(size=stream.size, sha256=stream.sha256.hexdigest())
+
+    def rename(self, path, new_path):  # DCP writes .metadata.tmp, then renames it
+        self.fs.rename(path, new_path)
+        self.sums[_name(new_path)] = self.sums.pop(_name(path))
 
 
 def _sha256(fs, file):
@@ -321,11 +349,20 @@ def save(directory, step, model, optimizer=None, extra=None, keep=3):
     every host if some cannot). Afterwards only the newest `keep` checkpoints remain.
     At a URL a new save of an existing step deletes the old one first (no rename to wait for).
 
-    meta.json records each file's size and sha256, which `verify` checks before a load. A full
+    meta.json records each file's size and sha256, taken as the file is written (no file is read
+    back), which `verify` checks before a load. A full
     disk raises OSError(ENOSPC) saying so, after removing the partial save. Test hook: with
     LLAMA_XLA_CRASH_IN_SAVE=<step> set, the save of that step kills its process (SIGKILL) once
     the shards are written and before meta.json, as a crash at the worst moment would.
+    (`AsyncSaver.save` does the same with all but the copy to host memory in the background.)
     """
+    return _commit(*_stage(directory, step, model, optimizer, extra, keep))
+
+
+def _stage(directory, step, model, optimizer, extra, keep):
+    """Check `save`'s arguments and copy the state to host memory, each host the shards its devices
+    hold (torch_xla's _CpuShards): (directory, step, state, meta, keep), for `_commit`. The only
+    part of a save that uses the device."""
     if keep < 1:
         raise ValueError(f"keep={keep} would delete the checkpoint just written; use keep >= 1")
     extra = {} if extra is None else extra
@@ -336,6 +373,13 @@ def save(directory, step, model, optimizer=None, extra=None, keep=3):
                         f"e.g. dataclasses.asdict(cfg) or config.to_dict()") from None
     state = _state(model, optimizer)
     meta = dict(step=int(step), extra=extra, contents=list(state), tensors=_shapes(state))
+    torch_xla.sync()
+    xm.wait_device_ops()
+    return directory, step, _sharded_cpu_state_dict(state), meta, keep
+
+
+def _commit(directory, step, state, meta, keep):
+    """Write a staged state (`_stage`) into directory/step_{step:08d}/ as `save` says; returns its path."""
     url = _is_url(directory)
     final = _child(directory, f"step_{step:08d}")
     tmp = final if url else final.with_name(".tmp_" + final.name)
@@ -347,8 +391,6 @@ def save(directory, step, model, optimizer=None, extra=None, keep=3):
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     _barrier(no_dist)
-    torch_xla.sync()
-    xm.wait_device_ops()
     try:
         _write(state, meta, tmp, final, no_dist, lead)
     except BaseException as e:  # DCP wraps each host's error in a CheckpointException, a BaseException
@@ -379,15 +421,15 @@ def _write(state, meta, tmp, final, no_dist, lead):
     # imports it) DCP takes torchax's device module for one and fails ("no attribute 'current_stream'").
     writer = (FsspecWriter(tmp, sync_files=False, per_thread_copy_ahead=0, thread_count=THREADS) if url else
               dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0, thread_count=THREADS))
+    writer.fs = hashing = _HashingFileSystem(writer.fs)
     with _quiet():
-        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=no_dist)
+        dcp.save(state, storage_writer=writer, planner=_SavePlanner(), no_dist=no_dist,
+                 process_group=getattr(_SAVING, "group", None))
     _barrier(no_dist)  # every host's shards are written
     if os.environ.get(CRASH_IN_SAVE) == str(meta["step"]):
         os.kill(os.getpid(), signal.SIGKILL)  # test hook: die with the shards written, meta.json not
-    # Each host hashes what it wrote, at once, and host 0 gathers the sums (one host reading the whole
-    # checkpoint back would keep the pod waiting for minutes at 70B, past a spot VM's 30 s notice).
-    sums = _file_sums(tmp, _own_files(0 if no_dist else dist.get_rank(), lead))
-    sums = {name: entry for host_sums in _gather(sums) for name, entry in host_sums.items()}
+    # Each host hashed what it wrote while writing it; host 0 gathers the sums.
+    sums = {name: entry for host_sums in _gather(hashing.sums) for name, entry in host_sums.items()}
     if not lead:
         return
     meta = dict(meta, files=sums)
@@ -402,6 +444,49 @@ def _write(state, meta, tmp, final, no_dist, lead):
     if final.exists():
         _remove(final)
     tmp.replace(final)  # atomic: readers see the checkpoint whole or not at all
+
+
+class AsyncSaver:
+    """`save` in the background (torchtitan's async checkpointing, Orbax's async save): `save`
+    returns once the state is in host memory; the writing, hashing and commit run on one thread
+    of their own, over a gloo group of their own on a pod (the main thread's collectives, such as
+    train's stop agreement, keep the hosts' group). One save at a time: the next `save` first waits
+    for the last and raises what it raised. The commit is `save`'s, so a crash, kill or full disk
+    during a background save leaves the previous checkpoint the newest valid one. Call `wait()`
+    (or `close()`) before the process ends: it finishes the save in flight.
+
+        saver = AsyncSaver()                      # every host, at the same point
+        saver.save("ckpt", step, model, optimizer)  # the steps go on while it writes
+        saver.close()                             # the last save committed (or its error)
+    """
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self.group = None if _no_dist() else dist.new_group(backend="gloo")  # a collective: every host
+        self.future = None
+
+    def save(self, directory, step, model, optimizer=None, extra=None, keep=3):
+        """As `checkpoint.save`; returns a Future of the checkpoint's path, once the state is staged."""
+        self.wait()
+        staged = _stage(directory, step, model, optimizer, extra, keep)
+        self.future = self.pool.submit(self._commit, staged)
+        return self.future
+
+    def _commit(self, staged):
+        _SAVING.group = self.group
+        return _commit(*staged)
+
+    def wait(self):
+        """The path of the last save once it has committed (None if there is none in flight); its
+        exception if it failed."""
+        future, self.future = self.future, None
+        return None if future is None else future.result()
+
+    def close(self):
+        try:
+            return self.wait()
+        finally:
+            self.pool.shutdown()
 
 
 def _disk_full(e):

@@ -99,6 +99,7 @@ class TrainConfig:
     checkpoint_dir: str = None        # a folder or gs:// URL for checkpoints and metrics.jsonl; None: neither is written
     checkpoint_every: int = 100       # steps between checkpoints (and the last step)
     keep: int = 3                     # checkpoints kept
+    async_checkpoint: bool = None     # write checkpoints in the background (checkpoint.AsyncSaver); None: on a TPU (benchmarks/checkpoint.py)
     resume: bool = False              # continue from the newest checkpoint in checkpoint_dir
     eval_every: int = 0               # steps between held-out evaluations; 0: only the one at the end
     eval_batches: int = 8             # held-out batches per evaluation
@@ -484,8 +485,12 @@ def setup(cfg):
                          "by scan (its fake forward gives the log-sum-exp the wrong rank); use attention='blockwise' "
                          "(--attention blockwise) with scan_layers, or leave scan_layers out")
     pack = cfg.pack if cfg.pack is not None else bool(cfg.sft) and attention != "eager" and not cfg.scan_layers
+    # In the background the steps wait only for the copy to host memory, but a save's writing and hashing
+    # take host cores: on a TPU the steps run elsewhere; on a CPU they share those cores, and measured on
+    # 2 of them (benchmarks/checkpoint.py) the loop lost as much time per save as a synchronous save.
+    background = cfg.async_checkpoint if cfg.async_checkpoint is not None else xr.device_type() == "TPU"
     return (dataclasses.replace(cfg, mesh=shape, dtype=dtype, lr=cfg.lr or LR[cfg.optimizer], attention=attention,
-                                pack=pack), mesh, config)
+                                pack=pack, async_checkpoint=background), mesh, config)
 
 
 def checkpoint_layers(model):
@@ -626,7 +631,10 @@ def train(cfg, group=None):
     dispatched = {start: clock.now()}  # step -> the clock when the host had dispatched it
     model.train()
     compiles = count_compiles()
-    with stop_signals() as got:
+    saver = checkpoint.AsyncSaver() if cfg.checkpoint_dir and cfg.async_checkpoint else None
+    save = saver.save if saver else checkpoint.save
+    # Closing the saver (inside stop_signals) waits for the save in flight to commit, a stop signal's too.
+    with stop_signals() as got, contextlib.closing(saver) if saver else contextlib.nullcontext():
         for step, batch in enumerate(loader, start + 1):
             args, packed = batch_args(batch)
             loss, grad_norm = optimizer_step(model, optimizer, *args, grad_accum=cfg.grad_accum, clip_norm=cfg.clip_norm,
@@ -643,8 +651,8 @@ def train(cfg, group=None):
             stop = should_stop(step, got, cfg.log_every, group)
             if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == cfg.steps or stop):
                 with clock.stopped():
-                    checkpoint.save(cfg.checkpoint_dir, step, saved(), optimizer, keep=cfg.keep,
-                                    extra=dict(extra, attention=attention_ran(model)))  # what ran, e.g. padded flash
+                    save(cfg.checkpoint_dir, step, saved(), optimizer, keep=cfg.keep,
+                         extra=dict(extra, attention=attention_ran(model)))  # what ran, e.g. padded flash
                 rows = write_rows(log, rows, val_losses, count_compiles() - compiles, flush=True)
             if stop:  # preempted: this step is saved; stop here
                 break

@@ -1,8 +1,11 @@
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import fsspec
 import pytest
@@ -257,18 +260,21 @@ def as_host(monkeypatch, index, others):
                                                             others.get(h, value) for h in range(n)])
 
 
-def test_each_host_hashes_the_files_it_wrote_and_host_0_records_them_all(mesh, tmp_path, monkeypatch):
-    hashed, sha256 = [], checkpoint._sha256
-    monkeypatch.setattr(checkpoint, "_sha256",
-                        lambda fs, file: hashed.append(file.rsplit("/", 1)[-1]) or sha256(fs, file))
+def test_each_host_hashes_its_files_as_it_writes_them_and_host_0_records_them_all(mesh, tmp_path, monkeypatch):
+    read_back = []
+    monkeypatch.setattr(checkpoint, "_sha256", lambda fs, file: read_back.append(file))  # verify's hash: not in a save
     host_1 = {f"__1_{i}.distcp": dict(size=8, sha256="ab") for i in range(checkpoint.THREADS)}  # what host 1 hashed
     monkeypatch.setattr(xr, "process_count", lambda: 2)
     monkeypatch.setattr(checkpoint, "_no_dist", lambda: True)  # DCP as one process: this host writes __0_*
     monkeypatch.setattr(checkpoint, "_gather", lambda value: [value, host_1 if isinstance(value, dict) else value])
     path = save(tmp_path, 1, sharded(mesh))
     mine = {".metadata"} | {f"__0_{i}.distcp" for i in range(checkpoint.THREADS)}
-    assert sorted(hashed) == sorted(mine) and set(os.listdir(path)) == mine | {"meta.json"}
-    assert json.loads((path / "meta.json").read_text())["files"].keys() == mine | host_1.keys()
+    assert read_back == [] and set(os.listdir(path)) == mine | {"meta.json"}
+    files = json.loads((path / "meta.json").read_text())["files"]
+    assert files.keys() == mine | host_1.keys()
+    for name in mine:  # the sums taken while writing are the files' own
+        data = (path / name).read_bytes()
+        assert files[name] == dict(size=len(data), sha256=hashlib.sha256(data).hexdigest()), name
 
 
 def test_hosts_agree_on_the_resume_step_or_all_raise(mesh, tmp_path, monkeypatch):
@@ -387,7 +393,8 @@ def test_loading_runs_no_code_from_a_pickled_metadata_file(mesh, tmp_path, modul
     path = save(tmp_path, 1, sharded(mesh))
     (path / ".metadata").write_bytes(payload)
     meta = json.loads((path / "meta.json").read_text())
-    meta["files"] = checkpoint._file_sums(path, lambda name: True)  # the sums match: only the unpickler stops it
+    meta["files"][".metadata"] = dict(size=len(payload), sha256=hashlib.sha256(payload).hexdigest())  # only the
+    # unpickler stops it
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(pickle.UnpicklingError, match=rf"may not hold {module}\.{name}"):
         load(path, sharded(mesh))
@@ -406,8 +413,74 @@ def test_a_checkpoint_saved_without_sums_still_loads(mesh, tmp_path):
         assert torch.equal(a, b.detach().cpu()), name
 
 
+# Two hosts over gloo: the saving thread gathers on the saver's group while the main thread all-reduces
+# on the hosts' group (as train's stop agreement does); each host prints what both saw.
+HOSTS = """
+import json, sys
+import torch, torch.distributed as dist
+from llama_xla_helpers import checkpoint
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+checkpoint.xr.process_count, checkpoint.xr.process_index = lambda: 2, lambda: rank
+saver = checkpoint.AsyncSaver()
+def gathers():
+    checkpoint._SAVING.group = saver.group
+    return [checkpoint._gather(f"{rank}.{i}") for i in range(200)]
+future = saver.pool.submit(gathers)
+sums = []
+for i in range(200):
+    t = torch.tensor([rank + i])
+    dist.all_reduce(t)
+    sums.append(int(t))
+print(json.dumps([sums, future.result()]))
+saver.close()
+dist.destroy_process_group()
+"""
+
+
+def test_the_saving_thread_keeps_to_its_own_group_while_the_loop_uses_the_hosts_one(tmp_path):
+    hosts = [subprocess.Popen([sys.executable, "-c", HOSTS, str(rank), str(tmp_path / "store")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [host.communicate(timeout=300) for host in hosts]
+    assert [host.returncode for host in hosts] == [0, 0], [err[-2000:] for _, err in outs]
+    want = [[2 * i + 1 for i in range(200)], [[f"0.{i}", f"1.{i}"] for i in range(200)]]
+    assert [json.loads(out.splitlines()[-1]) for out, _ in outs] == [want, want]
+
+
+def save_in(mode, *args, **kwargs):
+    """`save`, or the same through an `AsyncSaver` (whose error `close` raises)."""
+    if mode == "sync":
+        return save(*args, **kwargs)
+    saver = checkpoint.AsyncSaver()
+    saver.save(*args, **kwargs)
+    return saver.close()
+
+
+def test_an_async_save_holds_its_steps_state_while_training_goes_on(mesh, tmp_path):
+    """The state a background save writes is the one at its call: the next steps change the model
+    and optimizer on the device meanwhile. The next save waits for the last; each loads back whole."""
+    model = sharded(mesh)
+    optimizer = Adafactor(model.parameters(), lr=1e-2)
+    train_step(model, optimizer, 0)
+    saver, states = checkpoint.AsyncSaver(), {}
+    for step in (1, 2):
+        states[step] = on_cpu(tensors(model, optimizer))
+        future = saver.save(tmp_path, step, model, optimizer, keep=2)
+        train_step(model, optimizer, step)  # while the save writes
+    assert saver.close() == future.result() == tmp_path / "step_00000002" and saver.wait() is None
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
+    for step, want in states.items():
+        fresh = sharded(mesh, seed=3)
+        opt = Adafactor(fresh.parameters(), lr=1e-2)
+        init_optimizer_state(opt)
+        load(tmp_path / f"step_{step:08d}", fresh, opt)
+        got = on_cpu(tensors(fresh, opt))
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), step
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("room", [0, 100])
-def test_disk_full_during_a_save_keeps_the_previous_checkpoint(mesh, tmp_path, monkeypatch, room):
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(mesh, tmp_path, monkeypatch, room, mode):
     # room=0: a file's first write fails and torch.save raises the OSError; room=100: a write inside
     # the zip's records fails and torch.save raises its own RuntimeError while handling the OSError.
     first, _, weights = two_checkpoints(mesh, tmp_path)
@@ -442,7 +515,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(mesh, tmp_path, m
     monkeypatch.setattr(checkpoint.dcp, "FileSystemWriter", FullDiskWriter)
     with pytest.raises(OSError, match=r"disk full while saving step 2 into .*; the checkpoints saved before are "
                                       r"intact\. Free space there, or keep fewer") as e:
-        save(tmp_path, 2, sharded(mesh, seed=2))
+        save_in(mode, tmp_path, 2, sharded(mesh, seed=2))
     host_error = next(iter(e.value.__cause__.failures.values()))[0]  # DCP's CheckpointException
     assert e.value.errno == errno.ENOSPC and failed
     assert type(host_error) is (OSError if room == 0 else RuntimeError), host_error

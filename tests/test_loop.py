@@ -35,11 +35,13 @@ def test_a_bf16_run_with_the_options_resumes_as_if_never_interrupted(tmp_path, m
     test_train_bf16.test_a_bf16_run_resumes_as_if_never_interrupted(tmp_path, monkeypatch, OPTIONS)
 
 
-def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, monkeypatch, background):
     """fp32, with AdamW, a schedule, clipping and accumulation: the schedule's position is in the
-    optimizer state, so it resumes too. metrics.jsonl holds every step once, the resumed ones after."""
+    optimizer state, so it resumes too. metrics.jsonl holds every step once, the resumed ones after.
+    In the background too: the stop signal's save commits before the run returns."""
     run = dataclasses.replace(SMALL_FP32, steps=6, checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck"),
-                              log_every=2, eval_every=3, **OPTIONS)
+                              log_every=2, eval_every=3, async_checkpoint=background, **OPTIONS)
     whole = train(dataclasses.replace(run, checkpoint_dir=str(tmp_path / "whole")))
     preempted(run, 3, monkeypatch)
     with open(tmp_path / "ck" / "metrics.jsonl", "a") as f:          # a step the crash lost after the checkpoint

@@ -227,10 +227,13 @@ def test_the_hosts_of_a_pod_agree_on_the_step_to_stop_at(tmp_path):
 
 
 @pytest.mark.child_process
-def test_a_crash_mid_save_resumes_exactly_from_the_previous_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_crash_mid_save_resumes_exactly_from_the_previous_checkpoint(tmp_path, capsys, mode):
+    """In async mode (the default) the crash comes on the saving thread while the steps go on."""
     def argv(directory):
         return ["--model", "micro", "--steps", "8", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1",
-                "--checkpoint-every", "2", "--checkpoint-dir", str(directory)]
+                "--checkpoint-every", "2", "--checkpoint-dir", str(directory), f"--{'' if mode == 'async' else 'no-'}"
+                "async-checkpoint"]
 
     # SIGKILL at the worst moment, in a real process: step 6's shards written, its meta.json not
     crashed = subprocess.run([sys.executable, "-m", "llama_xla_helpers.train", *argv(tmp_path / "run")],
