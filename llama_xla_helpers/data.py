@@ -456,15 +456,21 @@ class TokenRows:
 
     def _read(self, rows):
         """The file's `rows` (an int, a slice of step 1 or an index array), columns column..column +
-        seq_len, as uint32: through the memmap, or from a URL one byte range per row, all in one
+        seq_len, as uint32: through the memmap, or from a URL one byte range per run of consecutive
+        rows (across the other columns between them, for rows of stride > seq_len), all in one
         `cat_ranges` call (gcsfs sends the ranged reads concurrently)."""
         if self._array is not None:
             return self._array[rows, self.column:self.column + self.seq_len]
         index = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else np.atleast_1d(rows)
-        starts = (index * self.stride + self.column) * TOKEN_DTYPE.itemsize
-        ends = starts + self.seq_len * TOKEN_DTYPE.itemsize
-        blobs = self._fs.cat_ranges([self._remote] * len(index), starts.tolist(), ends.tolist(), on_error="raise")
-        block = np.frombuffer(b"".join(blobs), TOKEN_DTYPE).reshape(len(index), self.seq_len)
+        runs = [run for run in np.split(index, np.flatnonzero(np.diff(index) != 1) + 1) if run.size]
+        starts = [int(run[0] * self.stride + self.column) * TOKEN_DTYPE.itemsize for run in runs]
+        ends = [start + int((len(run) - 1) * self.stride + self.seq_len) * TOKEN_DTYPE.itemsize
+                for start, run in zip(starts, runs)]
+        blobs = self._fs.cat_ranges([self._remote] * len(runs), starts, ends, on_error="raise")
+        tokens = [np.frombuffer(blob, TOKEN_DTYPE) for blob in blobs]  # a run: its rows, stride apart
+        block = np.array([run_tokens[i * self.stride:i * self.stride + self.seq_len]
+                          for run, run_tokens in zip(runs, tokens) for i in range(len(run))],
+                         TOKEN_DTYPE).reshape(len(index), self.seq_len)
         return block[0] if isinstance(rows, (int, np.integer)) else block
 
     def __getstate__(self):  # a DataLoader worker reopens the file; it does not copy the rows
@@ -525,7 +531,11 @@ class TokenRows:
             if len(index) > 2:
                 raise IndexError(f"too many indices for rows of shape {tuple(self.shape)}: {len(index)}")
             index, columns = index if len(index) == 2 else (index[0], None)
-        block = self._read(self._file_rows(index)).astype(np.int64)
+        rows = self._file_rows(index)
+        try:
+            block = self._read(rows).astype(np.int64)
+        except OSError as e:  # which file and rows, wherever it surfaces (a loader's thread hands it on)
+            raise OSError(f"reading rows {rows} of {self.path}: {e}") from e
         block[block == IGNORE_U32] = IGNORE_INDEX
         out = torch.from_numpy(block)
         if columns is None:

@@ -10,7 +10,9 @@ only the data-parallel gradient reduction crosses the slow data-center network.
 """
 import hashlib
 import math
+import queue
 import re
+import threading
 from functools import partial
 
 import torch
@@ -322,14 +324,15 @@ def input_sharding(mesh):
     return xs.ShardingSpec(mesh, batch_spec(INPUT_SPEC, mesh))
 
 
-def sharded_loader(dataset, batch_size, mesh, sampler=None):
+def sharded_loader(dataset, batch_size, mesh, sampler=None, prefetch=0):
     """Batches of a TensorDataset of (n, seqlen) tensors as XLA tensors sharded by `input_sharding(mesh)`.
 
     Yields a tuple per batch, as a DataLoader would. Each host reads only the rows its own
     devices hold (`to_sharded`): on a pod, its slice of the global batch, never all of it.
     (MpDeviceLoader with `input_sharding`, the post's lines, gives the same tensors, but every
     host reads the whole batch first.) `sampler` orders the rows; a short last batch is dropped
-    (the post's caveat: it cannot be split on 'data').
+    (the post's caveat: it cannot be split on 'data'). `prefetch`: batches read and put on the
+    devices that far ahead, on a background thread (`prefetched`); 0: each when it is asked for.
     """
     axes = batch_axes(mesh)
     k = axis_size(mesh, axes)
@@ -339,15 +342,65 @@ def sharded_loader(dataset, batch_size, mesh, sampler=None):
     for t in dataset.tensors:  # here, not at the first batch (a training loop counts its compiles)
         local_blocks(mesh, batch_spec(INPUT_SPEC, mesh), (batch_size, t.shape[1]))
     order = torch.utils.data.SequentialSampler(dataset) if sampler is None else sampler
-    return _sharded_batches(dataset.tensors, torch.utils.data.BatchSampler(order, batch_size, drop_last=True), mesh)
+    batches = _sharded_batches(dataset.tensors, torch.utils.data.BatchSampler(order, batch_size, drop_last=True), mesh)
+    return prefetched(batches, prefetch) if prefetch else batches
+
+
+def prefetched(items, depth):
+    """Iterate `items` on a background thread, at most `depth` of them ahead (bounded memory), as
+    MpDeviceLoader does: a training loop gets its next batch already read and on the devices. An
+    exception in the thread raises here, where its item would have come; closing the iterator
+    (or dropping it) lets the thread go."""
+    ready, stop, end = queue.Queue(depth), threading.Event(), object()
+
+    def offer(item):  # False once the consumer has gone
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def fill():
+        try:
+            for item in items:
+                if not offer(item):
+                    return
+        except BaseException as e:  # noqa: BLE001  raised in the consumer's thread
+            offer(_Failed(e))
+            return
+        offer(end)
+
+    threading.Thread(target=fill, name="prefetch", daemon=True).start()
+    try:
+        while (item := ready.get()) is not end:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+
+
+class _Failed:
+    def __init__(self, error):
+        self.error = error
 
 
 def _sharded_batches(tensors, batches, mesh):
     spec = batch_spec(INPUT_SPEC, mesh)
     for rows in map(torch.tensor, batches):
-        # read(index) for to_sharded: one device block's rows and columns of the batch, and no others
-        yield tuple(to_sharded(lambda index, t=t: t[rows[index[0]]][:, index[1]], mesh, spec, (len(rows), t.shape[1]))
-                    for t in tensors)
+        yield tuple(to_sharded(_rows_reader(t, rows, mesh, spec), mesh, spec, (len(rows), t.shape[1])) for t in tensors)
+
+
+def _rows_reader(t, rows, mesh, spec):
+    """read(index) for to_sharded: a device block of the batch `rows` of `t`, cut from one read of the
+    rows this host's devices hold (lo..hi of the batch; a token file at a URL: one request, not one
+    per device), and no others."""
+    blocks = local_blocks(mesh, spec, (len(rows), t.shape[1]))
+    lo, hi = min(index[0].start for index in blocks), max(index[0].stop for index in blocks)
+    mine = t[rows[lo:hi]]  # (hi - lo, seq_len)
+    return lambda index: mine[index[0].start - lo:index[0].stop - lo, index[1]]
 
 
 def device_blocks(t):

@@ -78,6 +78,7 @@ class TrainConfig:
     steps: int = 300                  # total optimizer steps (a resumed run stops here too)
     batch_size: int = 16              # sequences per optimizer step (the global batch), split over 'data'
     seq_len: int = 128                # tokens per sequence
+    prefetch: int = 2                 # batches the loader reads and puts on the devices ahead of the steps, on a thread; 0: none
     optimizer: str = "adafactor"      # "adafactor" (lr relative to each weight's RMS) or "adamw"
     lr: float = None                  # the peak learning rate; None: LR[optimizer] (1e-2 Adafactor, 1e-3 AdamW)
     schedule: str = "constant"        # after the warm-up: "constant", "cosine" or "wsd" (optim.Schedule)
@@ -362,6 +363,8 @@ def check_config(cfg):
                          f"optimizer step splits its batch into grad_accum equal micro-batches; use a multiple")
     if not isinstance(cfg.eval_every, int) or cfg.eval_every < 0:
         raise ValueError(f"eval_every={cfg.eval_every!r} must be an int >= 0 (0: evaluate once, at the end)")
+    if not isinstance(cfg.prefetch, int) or isinstance(cfg.prefetch, bool) or cfg.prefetch < 0:
+        raise ValueError(f"prefetch={cfg.prefetch!r} must be an int >= 0 (batches read ahead; 0: none)")
     if cfg.mesh is not None and (not isinstance(cfg.mesh, (tuple, list)) or len(cfg.mesh) != 2 or
                                  not all(isinstance(k, int) and k >= 1 for k in cfg.mesh)):
         raise ValueError(f"mesh={cfg.mesh!r} must be two ints >= 1, (data, model) devices, e.g. (4, 2); "
@@ -622,7 +625,7 @@ def train(cfg, group=None):
         if xr.process_index() == 0:
             print(f"resuming from {Path(str(resume_from)).name}: step {start + 1} next")
     sampler = StepSampler(len(train_set[0]), cfg.batch_size, cfg.seed, start, max(cfg.steps - start, 0))
-    loader = sharded_loader(TensorDataset(*train_set), cfg.batch_size, mesh, sampler=sampler)
+    loader = sharded_loader(TensorDataset(*train_set), cfg.batch_size, mesh, sampler=sampler, prefetch=cfg.prefetch)
     lead = xr.process_index() == 0
     log = RunLog(cfg.checkpoint_dir, start) if cfg.checkpoint_dir and lead else None
     bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead))

@@ -150,7 +150,8 @@ def range_log(fs, monkeypatch):
 def test_a_gs_folder_s_token_file_is_read_by_the_byte_ranges_of_each_host_s_rows(tok, text_file, tmp_path,
                                                                                  monkeypatch):
     """A gs:// checkpoint_dir, here fsspec's in-memory file system: the lead uploads the token file,
-    every host gets its URL and reads the rows it indexes, no other byte, and no host downloads it."""
+    every host gets its URL and reads the rows it indexes, consecutive ones as one range, no other
+    byte, and no host downloads it."""
     import fsspec
     url = f"memory://{tmp_path.name}/run"
     path = token_file(text_file, tok, url)
@@ -163,16 +164,19 @@ def test_a_gs_folder_s_token_file_is_read_by_the_byte_ranges_of_each_host_s_rows
     reads = range_log(fsspec.filesystem("memory"), monkeypatch)  # the instance url_to_fs returns
     rows, want = token_rows(path, 32, val_fraction=0)[0], TokenRows(local, 32)[:]
     assert rows.shape == want.shape and len(rows) > 200
-    for host, mine in enumerate((torch.tensor([7, 3, 150]), slice(40, 43), 5)):  # each host's rows of a batch
+    ranges = [[(7, 8), (3, 5), (150, 151)], [(40, 43)], [(5, 6)]]  # rows start..stop, 128 bytes a row: 32 ids
+    for host, mine in enumerate((torch.tensor([7, 3, 4, 150]), slice(40, 43), 5)):  # each host's rows of a batch
         reads.clear()
         assert torch.equal(rows[mine], want[mine]), host
-        index = np.atleast_1d(np.arange(len(rows))[mine])  # 128 bytes a row: 32 uint32 ids
-        assert reads == [(f"/{tmp_path.name}/run/{local.name}", r * 128, r * 128 + 128) for r in index], host
+        assert reads == [(f"/{tmp_path.name}/run/{local.name}", a * 128, b * 128) for a, b in ranges[host]], host
     sft = write_jsonl(tmp_path / "chat.jsonl", sft_conversations(12))
     (ids, labels), _ = sft_rows(sft_file(sft, tok, 320, url), 320)  # rows of 640: ids, then labels
     reads.clear()
     assert ids[2].shape == labels[2].shape == (320,)  # each reads its half of row 2, 2560 bytes a row
     assert [(s, e) for _, s, e in reads] == [(2 * 2560, 2 * 2560 + 1280), (2 * 2560 + 1280, 3 * 2560)]
+    reads.clear()  # rows 2 and 3 of the labels: one range, over row 3's ids between them
+    assert torch.equal(labels[2:4], torch.stack([labels[2], labels[3]]))
+    assert [(s, e) for _, s, e in reads][0] == (2 * 2560 + 1280, 4 * 2560)
     assert torch.equal(pickle.loads(pickle.dumps(rows))[5], want[5])  # a DataLoader worker reopens the URL
 
 

@@ -1,6 +1,7 @@
 import contextlib
 import copy
 import math
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from torch_xla.distributed.spmd.xla_sharding import wrap_as_sharded_tensor
 
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.mesh import make_mesh
-from llama_xla_helpers.sharding import (INPUT_SPEC, Constraint, device_blocks, input_sharding, param_spec,
+from llama_xla_helpers.data import TokenRows
+from llama_xla_helpers.sharding import (INPUT_SPEC, Constraint, device_blocks, input_sharding, param_spec, prefetched,
                                         shard_activations, shard_params, shard_shape, sharded_loader)
 from util import N, eight_devices, hf_model
 
@@ -164,10 +166,11 @@ def test_shard_shapes_match_spec_and_device_shards(reference, shape, strategy):
         assert held == {r["shard"]}
 
 
-def test_loader_batches_carry_input_sharding():
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_loader_batches_carry_input_sharding(prefetch):
     mesh = make_mesh((4, 2))
     ids = torch.arange(20 * 16).reshape(20, 16) % 264
-    batches = list(sharded_loader(TensorDataset(ids), batch_size=8, mesh=mesh))
+    batches = list(sharded_loader(TensorDataset(ids), batch_size=8, mesh=mesh, prefetch=prefetch))
     assert len(batches) == 2  # 20 rows in batches of 8: the last 4 are dropped (drop_last)
     reference = torch.zeros(8, 16, dtype=torch.long, device=torch_xla.device())
     xs.mark_sharding(reference, mesh, INPUT_SPEC)
@@ -232,6 +235,50 @@ def test_constraint_builds_its_sharding_once(monkeypatch):
     assert (after.hits + after.misses, after.currsize) == (before.hits + before.misses, before.currsize)
     assert torch_xla._XLAC._get_xla_sharding_spec(y) == want        # the forward annotation
     assert torch_xla._XLAC._get_xla_sharding_spec(grads[0]) == want  # and its gradient's
+
+
+def wait_for(condition, seconds=30):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_prefetched_reads_a_bounded_number_ahead_in_order_and_stops_when_closed():
+    read = []
+
+    def items(n):
+        for i in range(n):
+            read.append(i)
+            yield i
+    it = prefetched(items(10), 2)
+    assert next(it) == 0
+    assert wait_for(lambda: len(read) == 4)  # the one taken, two in the queue, one waiting to go in
+    time.sleep(0.2)
+    assert read == [0, 1, 2, 3] and list(it) == list(range(1, 10))
+    it = prefetched(items(1000), 2)
+    next(it)
+    it.close()  # the consumer is gone: the thread stops
+    time.sleep(0.5)
+    assert len(read) - 10 <= 4
+
+
+def test_a_read_error_in_the_loader_thread_raises_in_the_loop_naming_the_file_and_rows(tmp_path):
+    path = tmp_path / "tokens.u32"
+    (np.arange(40 * 16) % 264).astype(np.uint32).tofile(path)
+    rows = TokenRows(f"file://{path}", 16)  # a URL: read by byte ranges, as from gs://
+    cat_ranges = rows._fs.cat_ranges
+
+    def flaky(paths, starts, *args, **kwargs):
+        if starts[0] >= 16 * 16 * 4:  # from row 16 on: the store answers with an error
+            raise OSError("503 Service Unavailable")
+        return cat_ranges(paths, starts, *args, **kwargs)
+    rows._fs.cat_ranges = flaky
+    batches = sharded_loader(TensorDataset(rows), batch_size=8, mesh=make_mesh((4, 2)), prefetch=2)
+    first, second = next(batches), next(batches)
+    torch.testing.assert_close(second[0].cpu(), torch.arange(8 * 16, 16 * 16).view(8, 16) % 264)
+    with pytest.raises(OSError, match=rf"reading rows \[16 .* of file://{path}: 503 Service Unavailable"):
+        next(batches)
 
 
 @pytest.mark.devices

@@ -283,6 +283,8 @@ def test_bad_training_input():
         train(dataclasses.replace(SMALL, model="llama-1b"))
     with pytest.raises(ValueError, match="pack=True .* needs sft"):
         train(dataclasses.replace(SMALL, pack=True))
+    with pytest.raises(ValueError, match=r"prefetch=-1 must be an int >= 0 \(batches read ahead; 0: none\)"):
+        train(dataclasses.replace(SMALL, prefetch=-1))
     for bad, why in (({"attention": "eager"}, "attention='eager' cannot keep them apart"),
                      ({"attention": "blockwise", "scan_layers": True}, "scan_layers' layer step takes no segment")):
         with pytest.raises(ValueError, match=f"pack=True puts several conversations in a row, and {why}.*--no-pack"):
