@@ -128,6 +128,7 @@ test-tpu:
 # $(call once_more,COMMAND): COMMAND, run once more (saying so) if a signal killed it; $$s is then its status.
 # CI saw test_scan.py die once of SIGSEGV in a native thread (JAX's backward beside XLA:CPU), which seven runs
 # here did not repeat, and check-variants its 4-device run abort once; a second crash, or any failure, fails.
+# (test_compile_cache.py reruns its scanned train CLI child by the same rule: it died once so in CI.)
 once_more = for run in 1 2; do $(1); s=$$?; if [ $$s -le 128 ] || [ $$run = 2 ]; then break; fi; \
 	echo "$@: pytest was killed by signal $$((s - 128)); running it once more"; done
 # Tests marked `variants` (extra bad-input launches, the serving benchmark's --quick run, option matrices

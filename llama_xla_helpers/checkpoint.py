@@ -119,6 +119,12 @@ def _gather(value):
     return values
 
 
+def lead_value(value):
+    """Process 0's `value` (picklable) on every host: a collective, every host calls it (`_gather`).
+    Process 0 alone decides what all must agree on, e.g. the name of the token file (`data.token_file`'s share)."""
+    return _gather(value)[0]
+
+
 def _hosts(values):
     """'host 0: step 2; hosts 1, 3: none': which hosts have which (string) value."""
     groups = {}

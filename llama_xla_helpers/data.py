@@ -12,9 +12,10 @@ Token files. `token_file(data, tokenizer, directory)` tokenizes the data once in
 format, so a second run (or another host) with the same inputs finds the file and tokenizes
 nothing, and any change makes a new file. Only the lead process writes (on a pod, process 0; the
 folder must be one every host sees, or a gs:// URL), into a temporary file renamed into place:
-a crash never leaves a file by that name that is not complete. The other hosts wait for the
-file (30 minutes plus a second per MiB of data; for a larger corpus, tokenize first on one host
-with `python -m llama_xla_helpers.data`). Every host then reads only the rows it needs, through
+a crash never leaves a file by that name that is not complete. Given `share` (train passes it),
+only process 0 reads the data, to name the file; the other hosts get the name from it, so only
+process 0 needs the data. The other hosts wait for the file (30 minutes plus a second per MiB of
+data; for a larger corpus, tokenize first on one host with `python -m llama_xla_helpers.data`). Every host then reads only the rows it needs, through
 np.memmap or, from a gs:// folder, by byte ranges (`TokenRows`), never the whole corpus;
 `token_rows` holds out the last `val_fraction` of the rows, as `train_val_split` holds out the
 end of the text.
@@ -339,6 +340,25 @@ def _wait_for(there, where, wait):
         time.sleep(min(POLL_S, left))
 
 
+def _named(directory, lead, share, name):
+    """name() -> (file name, wait): on a pod with `share`, the lead's answer on every host, so no
+    other host reads (or even needs) its own copy of the data; an error in the lead's name()
+    raises on every host. share(value) is a collective: every host calls it and gets the lead's
+    value (train passes `checkpoint.lead_value`). share or directory None: every host calls
+    name() itself (no directory: each writes its own file, `_place`)."""
+    if share is None or directory is None:
+        return name()
+    try:
+        mine = (name(), None) if lead else None
+    except Exception as e:  # noqa: BLE001  shared first, so that the other hosts do not wait for a file
+        share((None, f"{type(e).__name__}: {e}"))
+        raise
+    named, error = share(mine)
+    if error is not None:
+        raise RuntimeError(f"process 0 could not name the token file: {error}")
+    return named
+
+
 def _place(directory, name, write, lead, wait):
     """The path of `directory/name`, written by `write(local path)` on the lead process if it is
     missing; any other process waits up to `wait` seconds for it to appear (`_wait_for`).
@@ -372,7 +392,7 @@ def _place(directory, name, write, lead, wait):
     return url
 
 
-def token_file(data, tokenizer, directory=None, *, lead=True, wait=None, piece_chars=PIECE_CHARS):
+def token_file(data, tokenizer, directory=None, *, lead=True, wait=None, piece_chars=PIECE_CHARS, share=None):
     """The path (for a gs:// directory, its URL) of the token file of `data` (None: the pydoc
     corpus; a UTF-8 text file; a .jsonl file with "text" per line), tokenized once into
     `directory/tokens-<sha>.u32`.
@@ -390,18 +410,24 @@ def token_file(data, tokenizer, directory=None, *, lead=True, wait=None, piece_c
     there it is used as it is. lead: this process writes a missing file (on a pod: process 0
     only); any other waits for it to appear, up to `wait` seconds (None: `wait_seconds(data)`,
     30 minutes plus a second per MiB of data), then fails with an error that says how to
-    tokenize first (`python -m llama_xla_helpers.data`, on one host). directory None: a folder
-    under the system's temporary folder, which every process writes for itself. Its meta
-    (source, counts) is next to it, in tokens-<sha>.u32.json.
+    tokenize first (`python -m llama_xla_helpers.data`, on one host). share: on a pod, the
+    collective that gives every host the lead's name and wait (`_named`): then only the lead
+    reads and hashes `data`, and only its copy needs to exist; None: each host hashes its own
+    copy. directory None: a folder under the system's temporary folder, which every process
+    writes for itself. Its meta (source, counts) is next to it, in tokens-<sha>.u32.json.
     """
-    if data is not None:
-        _check_file(data, fix="pass a UTF-8 text file or a JSONL file (.jsonl) with a 'text' field per line")
     tok_sha = tokenizer_sha(tokenizer)
-    name = _name("tokens", TOKENS_FORMAT, _data_sha(data), tok_sha, piece_chars)
+
+    def named():
+        if data is not None:
+            _check_file(data, fix="pass a UTF-8 text file or a JSONL file (.jsonl) with a 'text' field per line")
+        return (_name("tokens", TOKENS_FORMAT, _data_sha(data), tok_sha, piece_chars),
+                wait_seconds(data) if wait is None else wait)
+    name, wait = _named(directory, lead, share, named)
     meta = {"format": TOKENS_FORMAT, "data": str(data) if data is not None else "pydoc_data.topics",
             "tokenizer_sha256": tok_sha}
     write = lambda path: _write_atomic(path, _token_arrays(data, tokenizer, piece_chars), meta)  # noqa: E731
-    return _place(directory, name, write, lead, wait_seconds(data) if wait is None else wait)
+    return _place(directory, name, write, lead, wait)
 
 
 def file_meta(path):
@@ -687,10 +713,11 @@ def _sft_rows(data, tokenizer, seq_len, long, stats, packed=False):
         yield np.concatenate([sft_row(group, seq_len, pad, packed) for group in batch])
 
 
-def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", packed=False, lead=True, wait=None):
+def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", packed=False, lead=True, wait=None,
+             share=None):
     """The path (or URL) of the SFT rows of a JSONL file of conversations ("messages": [{"role",
     "content"}, ...] per line), written once to `directory/sft-<sha>.u32` as `token_file` writes
-    (same atomic write, lead / wait and folder rules; <sha> also covers the chat template,
+    (same atomic write, lead / wait / share and folder rules; <sha> also covers the chat template,
     seq_len, `long` and `packed`). Read it with `sft_rows`.
 
     Not packed: each conversation is one row (`sft_example`), right-padded to seq_len with the pad
@@ -710,10 +737,13 @@ def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", packed=Fa
     """
     if long not in ("drop", "truncate"):
         raise ValueError(f"long={long!r} must be 'drop' or 'truncate'")
-    _check_file(data, what="SFT file", fix="pass a JSONL file with 'messages' per line")
     tok_sha = tokenizer_sha(tokenizer, chat=True)
     fmt = SFT_PACKED_FORMAT if packed else SFT_FORMAT
-    name = _name("sft", fmt, _data_sha(data), tok_sha, seq_len, long)
+
+    def named():
+        _check_file(data, what="SFT file", fix="pass a JSONL file with 'messages' per line")
+        return _name("sft", fmt, _data_sha(data), tok_sha, seq_len, long), wait_seconds(data) if wait is None else wait
+    name, wait = _named(directory, lead, share, named)
     stats = dict(conversations=0, rows=0, conversation_tokens=0, dropped_too_long=0, truncated=0,
                  dropped_no_assistant=0, longest=0)
     meta = {"format": fmt, "data": str(data), "seq_len": seq_len, "long": long, "tokenizer_sha256": tok_sha}
@@ -733,7 +763,7 @@ def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", packed=Fa
                           f"longest has {stats['longest']}); pass a larger seq_len"
                           + (" or long='truncate'" if long == "drop" else ""), stacklevel=4)
 
-    return _place(directory, name, write, lead, wait_seconds(data) if wait is None else wait)
+    return _place(directory, name, write, lead, wait)
 
 
 def _then(iterable, done):
@@ -757,7 +787,7 @@ def sft_rows(path, seq_len, val_fraction=0.1):
 # --- Everything a training loop needs ---------------------------------------------------------
 
 def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, *, val_fraction=0.1,
-                  lead=True, wait=None, long="drop", packed=False):
+                  lead=True, wait=None, long="drop", packed=False, share=None):
     """(train, val) TensorDatasets of TokenRows for `sharded_loader`.
 
     Pretraining (data: None for the pydoc corpus, a text file or a .jsonl file): each dataset
@@ -766,7 +796,8 @@ def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, 
     labels=labels); packed (`sft_file`), four: (ids, labels, segment ids, positions).
     tokenizer: a loaded one, a folder, or None for the byte tokenizer.
     directory: where the token file goes (the checkpoint_dir; None: a temporary folder).
-    lead, wait: on a pod, process 0 writes (lead) and the others wait for its file (`token_file`).
+    lead, wait, share: on a pod, process 0 names and writes the file (lead), the others wait for it
+    (`token_file`); with `share`, only process 0 needs the data.
     """
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = get_tokenizer(tokenizer)
@@ -774,9 +805,10 @@ def training_data(seq_len, tokenizer=None, data=None, sft=None, directory=None, 
         if data is not None:
             raise ValueError("pass data (pretraining text) or sft (conversations), not both")
         train, val = sft_rows(sft_file(sft, tokenizer, seq_len, directory, long=long, packed=packed, lead=lead,
-                                       wait=wait), seq_len, val_fraction)
+                                       wait=wait, share=share), seq_len, val_fraction)
         return TensorDataset(*train), TensorDataset(*val)
-    train, val = token_rows(token_file(data, tokenizer, directory, lead=lead, wait=wait), seq_len, val_fraction)
+    train, val = token_rows(token_file(data, tokenizer, directory, lead=lead, wait=wait, share=share), seq_len,
+                            val_fraction)
     return TensorDataset(train), TensorDataset(val)
 
 

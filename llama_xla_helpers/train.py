@@ -433,12 +433,13 @@ def datasets(cfg, tokenizer=None):
 
     The byte tokenizer (tokenizer None) on the text itself, as before, or a Hugging Face tokenizer
     through a token file in checkpoint_dir (data.training_data: tokenized once by process 0, while
-    the other hosts wait for the file, data.wait_seconds; each host reads only its rows)."""
+    the other hosts get its name from process 0 and wait for the file, data.wait_seconds: only process 0
+    reads --data / --sft; each host reads only its rows)."""
     if tokenizer is None and not cfg.sft and not (cfg.data or "").endswith(".jsonl"):
         train_ids, val_ids = train_val_split(load_corpus(cfg.data), cfg.seq_len)
         return (train_ids,), (val_ids,)
     train_set, val_set = training_data(cfg.seq_len, tokenizer, cfg.data, cfg.sft, cfg.checkpoint_dir,
-                                       lead=xr.process_index() == 0, packed=bool(cfg.pack))
+                                       lead=xr.process_index() == 0, packed=bool(cfg.pack), share=checkpoint.lead_value)
     return train_set.tensors, val_set.tensors
 
 

@@ -9,6 +9,7 @@ compiles again. "A warm restart compiles nothing" is a TPU claim, not run here.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -96,15 +97,21 @@ def test_the_train_cli_twice_with_scan_finds_every_program_in_the_cache(tmp_path
     argv = [sys.executable, "-m", "llama_xla_helpers.train", "--model", "micro", "--steps", "3", "--batch-size", "8", "--seq-len", "16",
             "--eval-batches", "1", "--scan-layers", "--compile-cache", str(cache)]
 
-    def counts():
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=child_env())
+    def counts(fresh=False):
+        for run in (1, 2):  # the Makefile's rule for a pytest part (once_more): JAX's scanned backward beside
+            if fresh:       # XLA:CPU segfaulted once in CI in a native thread; a second crash fails
+                shutil.rmtree(cache, ignore_errors=True)
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=child_env())
+            if out.returncode >= 0:
+                break
+            print(f"the train CLI was killed by signal {-out.returncode}; running it once more")
         assert out.returncode == 0, out.stderr[-3000:]
         assert "step 3: train loss" in out.stdout
         line = next(l for l in out.stdout.splitlines() if l.startswith("compile cache:"))
         print(line)
         return [int(n) for n in re.findall(r"(\d+) (?:programs loaded|compiled and added|found but)", line)]
 
-    loaded, added, unloadable = counts()
+    loaded, added, unloadable = counts(fresh=True)
     assert loaded == unloadable == 0 and added >= 3  # the two training steps and the evaluation
     written = entries(cache)
     assert len(written) == added

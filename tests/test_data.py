@@ -182,14 +182,18 @@ def test_a_gs_folder_s_token_file_is_read_by_the_byte_ranges_of_each_host_s_rows
 
 def test_tokenize_first_on_one_host_then_a_pod_s_hosts_only_read(tok, text_file, tmp_path, monkeypatch, capsys):
     """The command the wait's error gives writes the file that a run with the same flags reads, on
-    every host: here train.datasets on a faked second host of two, which would otherwise wait."""
-    from llama_xla_helpers import train
+    every host: here train.datasets on a faked second host of two, which would otherwise wait.
+    Process 0's part is faked too: what it sends (`checkpoint.lead_value`; two real gloo processes:
+    tests/test_train.py), the name of the same data's file and a wait of 0.2 s, and no error."""
+    from llama_xla_helpers import checkpoint, train
     tok.save_pretrained(tmp_path / "tok")
     cfg = train.TrainConfig(tokenizer=str(tmp_path / "tok"), data=str(text_file), seq_len=32,
                             checkpoint_dir=str(tmp_path / "ck"))
+    name = token_file(text_file, tok, tmp_path / "elsewhere").name
+    offered = []
+    monkeypatch.setattr(checkpoint, "lead_value", lambda mine: offered.append(mine) or ((name, 0.2), None))
     monkeypatch.setattr(train.xr, "process_index", lambda: 1)
     monkeypatch.setattr(train.xr, "process_count", lambda: 2)
-    monkeypatch.setattr(data, "WAIT_S", 0.2)
     with pytest.raises(FileNotFoundError, match="tokenize first, on one host"):
         train.datasets(cfg, train.hf_tokenizer(cfg))
     data.main(["--checkpoint-dir", cfg.checkpoint_dir, "--tokenizer", cfg.tokenizer, "--data", cfg.data])
@@ -198,6 +202,7 @@ def test_tokenize_first_on_one_host_then_a_pod_s_hosts_only_read(tok, text_file,
     (train_ids,), (val_ids,) = train.datasets(cfg, train.hf_tokenizer(cfg))
     assert (train_ids.path, val_ids.path) == (str(path),) * 2 and len(train_ids) + len(val_ids) == len(
         TokenRows(path, 32))
+    assert offered == [None, None]  # host 1 named nothing itself
     with pytest.raises(SystemExit) as stop:
         data.main(["--checkpoint-dir", cfg.checkpoint_dir, "--sft", cfg.data])
     assert stop.value.code == 2 and "error: --sft needs the run's --seq-len" in capsys.readouterr().err

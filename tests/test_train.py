@@ -13,7 +13,7 @@ from transformers.optimization import Adafactor as HFAdafactor
 
 from llama_xla_helpers import checkpoint, train as train_module
 from llama_xla_helpers.configs import get_config
-from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, train_val_split
+from llama_xla_helpers.data import ByteTokenizer, StepSampler, load_corpus, small_tokenizer, train_val_split
 from llama_xla_helpers.train import (Adafactor, TrainConfig, _parse_args, init_tile, init_weights, main,
                                      make_optimizer, optimizer_step, should_stop, stop_signals, train, train_step)
 from util import N, sharded_runs
@@ -224,6 +224,53 @@ def test_the_hosts_of_a_pod_agree_on_the_step_to_stop_at(tmp_path):
     assert [host.returncode for host in hosts] == [0, 0], [err[-2000:] for _, err in outs]
     want = [stop for _, _, stop in CASES]
     assert [json.loads(out.splitlines()[-1]) for out, _ in outs] == [want, want]  # (gloo prints its peers first)
+
+
+# A pod's host, faked where it differs (process index and count), over gloo: train.datasets with the
+# host's own --data, which on host 1 does not exist. Prints its first rows and the files it hashed.
+DATA_HOSTS = """
+import json, sys
+import torch.distributed as dist
+import torch_xla.runtime as xr
+rank, store, data, shared, tok = int(sys.argv[1]), *sys.argv[2:]
+xr.process_index, xr.process_count = (lambda: rank), (lambda: 2)
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+from llama_xla_helpers import data as data_module, train
+hashed, sha = [], data_module._data_sha
+data_module._data_sha = lambda path: hashed.append(str(path)) or sha(path)
+cfg = train.TrainConfig(seq_len=16, tokenizer=tok, data=data, checkpoint_dir=shared)
+try:
+    (ids,), _ = train.datasets(cfg, train.hf_tokenizer(cfg))
+    print(json.dumps(dict(path=ids.path, rows=ids[:3].tolist(), n=len(ids), hashed=hashed)))
+except Exception as e:
+    print(json.dumps(dict(error=f"{type(e).__name__}: {e}", hashed=hashed)))
+dist.destroy_process_group()
+"""
+
+
+def test_only_process_0_reads_the_data_and_every_host_reads_its_token_file(tmp_path):
+    """The review's L3: every host hashed its own copy of --data to name the token file. Now process 0
+    names it (and tokenizes); host 1's --data is a path that does not exist."""
+    small_tokenizer().save_pretrained(tmp_path / "tok")
+    (tmp_path / "corpus.txt").write_text(load_corpus()[:20_000], encoding="utf-8")
+
+    def hosts(case, data0):
+        procs = [subprocess.Popen([sys.executable, "-c", DATA_HOSTS, str(rank), str(tmp_path / f"store-{case}"),
+                                   str(data0 if rank == 0 else tmp_path / "not-on-host-1.txt"),
+                                   str(tmp_path / "shared"), str(tmp_path / "tok")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+        return [json.loads(out.splitlines()[-1]) for out, _ in outs]
+
+    lead, other = hosts("ok", tmp_path / "corpus.txt")
+    assert lead["hashed"] == [str(tmp_path / "corpus.txt")] and other["hashed"] == []
+    assert lead["path"] == other["path"] and lead["path"].startswith(str(tmp_path / "shared"))
+    assert lead["rows"] == other["rows"] and lead["n"] == other["n"] > 3
+    # process 0's error (its --data is missing) reaches the other host at once, not after its 30-minute wait
+    lead, other = hosts("missing", tmp_path / "missing.txt")
+    assert lead["error"].startswith(f"FileNotFoundError: data file {str(tmp_path / 'missing.txt')!r} does not exist")
+    assert other["error"] == f"RuntimeError: process 0 could not name the token file: {lead['error']}"
 
 
 @pytest.mark.child_process
