@@ -33,7 +33,8 @@ Errors are OpenAI's JSON (`protocol.api_error`), whatever goes wrong: 400 for a 
 route, 413 for a body over MAX_BODY_BYTES = 4 MiB (before it is parsed: at once by its
 Content-Length, or once that much of a chunked body has arrived; a 128k-token prompt of ids is
 about 1 MB of JSON), 429 when max_queue requests wait, 500 for anything unexpected (its traceback
-goes to the log), 503 once the engine has failed.
+goes to the log), 503 once the engine has failed. Each 4xx is logged with its status, route and
+message at the default log level (`--debug` adds uvicorn's log of every request).
 
 Faults:
 - A client that disconnects, streamed or not, cancels its requests: their slots free at the next
@@ -55,6 +56,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import re
 import secrets
 import threading
@@ -73,6 +75,7 @@ from .engine import Engine, QueueFull
 from .protocol import (ChatBody, CompletionBody, api_error, chat_logprobs, chat_prompt, check_supported,
                        completion_logprobs, completion_prompts, encode, requested_logprobs)
 
+LOG = logging.getLogger("uvicorn.error")  # the server's log (uvicorn sets it up)
 MAX_BODY_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt as ids is about 1 MB of JSON
 LATENCY_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)  # histogram buckets, seconds
 TOKEN_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)  # the same, per output token
@@ -166,9 +169,12 @@ class Served:
 # --- Errors and the guard in front of the routes -----------------------------------------------
 
 async def http_error(request, exc):
-    """Every HTTP error as OpenAI's {"error": {...}}: ours, unknown routes, wrong methods."""
+    """Every HTTP error as OpenAI's {"error": {...}}: ours, unknown routes, wrong methods. A client's
+    error (4xx) is logged with its reason at the server's default level (uvicorn's, warning)."""
     detail = exc.detail if isinstance(exc.detail, dict) else dict(
         message=str(exc.detail), type="invalid_request_error", param=None, code=None)
+    if 400 <= exc.status_code < 500:
+        LOG.warning("%d %s %s: %s", exc.status_code, request.method, request.url.path, detail["message"])
     return JSONResponse({"error": detail}, exc.status_code, headers=exc.headers)
 
 
@@ -246,7 +252,8 @@ def submit(served, body, prompts):
                     reqs.append(served.engine.submit(
                         prompt, max_tokens, body.temperature, body.top_p, None if body.seed is None else body.seed + j,
                         body.stop or (), callback(i * body.n + j), max(body.top_k, 0), logprobs,
-                        prompt_logprobs=getattr(body, "echo", False) and logprobs is not None))
+                        prompt_logprobs=getattr(body, "echo", False) and logprobs is not None,
+                        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens))
     except (QueueFull, ValueError) as e:
         served.release(reqs)
         if isinstance(e, QueueFull):
@@ -319,21 +326,25 @@ class Choices:
     def completion_tokens(self):
         return 0 if self.scoring else sum(len(r.tokens) for r in self.reqs)
 
-    def usage(self):
+    def usage(self, completion_tokens=None):
         """OpenAI's usage, with the prompt tokens found in the prefix cache (prompt_tokens_details.cached_tokens:
-        per prompt, as its first choice found them)."""
+        per prompt, as its first choice found them). completion_tokens: those sent so far (a stream's
+        chunk), else every choice's."""
         prompt_tokens = sum(map(len, self.prompts))
         cached = sum(r.cached_tokens for r in self.reqs[::self.body.n])
-        return dict(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens(),
-                    total_tokens=prompt_tokens + self.completion_tokens(), prompt_tokens_details=dict(cached_tokens=cached))
+        done = self.completion_tokens() if completion_tokens is None else completion_tokens
+        return dict(prompt_tokens=prompt_tokens, completion_tokens=done, total_tokens=prompt_tokens + done,
+                    prompt_tokens_details=dict(cached_tokens=cached))
 
 
 async def events(head, choices, stream):
     """Server-sent events of a streamed response: per choice, a chunk per piece of settled text
-    (with the logprobs of its new tokens), the last with finish_reason; a usage chunk if asked for;
-    then [DONE]. If the engine failed, an error event instead of the rest, then [DONE]."""
+    (with the logprobs of its new tokens), the last with finish_reason; a usage chunk if asked for
+    (include_usage), and the usage so far in every chunk (continuous_usage_stats); then [DONE]. If
+    the engine failed, an error event instead of the rest, then [DONE]."""
     body, chat = choices.body, choices.chat
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    every = body.stream_options is not None and body.stream_options.continuous_usage_stats
     n = len(choices.reqs)
     sent, counted, first, error = [""] * n, [0] * n, [True] * n, None
     async for u in stream:
@@ -351,8 +362,9 @@ async def events(head, choices, stream):
                 chunk = dict(index=i, delta=message, logprobs=logprobs, finish_reason=u.reason)
             else:
                 chunk = dict(index=i, text=delta, logprobs=logprobs, finish_reason=u.reason)
-            yield f"data: {json.dumps({**head, 'choices': [chunk]})}\n\n"
             sent[i], counted[i], first[i] = text, count, False
+            usage = dict(usage=choices.usage(0 if choices.scoring else sum(counted))) if every else {}
+            yield f"data: {json.dumps({**head, 'choices': [chunk], **usage})}\n\n"
     if error:
         yield f"data: {json.dumps({'error': api_error(500, error, 'server_error').detail})}\n\n"
     elif body.stream_options and body.stream_options.include_usage:
@@ -420,7 +432,8 @@ async def completions(request: Request, body: CompletionBody):
 
 async def chat_completions(request: Request, body: ChatBody):
     served = request.app.state.served
-    prompt = encode(served.tokenizer, chat_prompt(served.tokenizer, [m.model_dump() for m in body.messages]))
+    prompt = encode(served.tokenizer, chat_prompt(served.tokenizer, [dict(role=m.role, content=m.text())
+                                                                     for m in body.messages]))
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     if body.max_tokens is None:  # at least 1: a prompt too long gets the engine's message

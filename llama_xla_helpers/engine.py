@@ -155,7 +155,7 @@ class Engine:
         self.pool = PagePool(pages, page_size)
         self.scheduler = Scheduler(slots, buckets[-1], self.pool, prefix_caching)
         self.compile = default_compile() if compile is None else compile
-        self.runner = ModelRunner(model, slots, pages, page_size, buckets, self.compile)
+        self.runner = ModelRunner(model, slots, pages, page_size, buckets, self.compile, tuple(sorted(eos_ids)))
         self.model = self.runner.model
         self.pending = None  # the last step's device outputs, read at the next step
         self.lock = threading.RLock()  # the scheduler's queue: submit (any thread) and step
@@ -172,7 +172,7 @@ class Engine:
     # --- requests (any thread) ---
 
     def submit(self, prompt, max_tokens, temperature=0.0, top_p=1.0, seed=None, stop=(), callback=None, top_k=0,
-               logprobs=None, prompt_logprobs=False):
+               logprobs=None, prompt_logprobs=False, ignore_eos=False, min_tokens=0):
         """Queue a request; returns its `Request` at once. ValueError for bad input (before any
         work), QueueFull when max_queue requests are waiting.
 
@@ -180,7 +180,11 @@ class Engine:
         token's log-probability (req.token_logprobs); prompt_logprobs: also those of the prompt's
         tokens after the first (req.prompt_token_logprobs; such a request reuses no cached prefix,
         whose log-probabilities were never computed). Log-probabilities are the model's, before
-        temperature, top-k and top-p."""
+        temperature, top-k and top-p (and min_tokens' mask).
+
+        ignore_eos: an EOS id does not end the request (it runs to max_tokens or a stop string);
+        min_tokens: no EOS id is sampled before the request has that many tokens (the step masks
+        their logits on the device, `runner.step_program`), vLLM's two extensions."""
         check_request(self.model.args, None, [prompt], max_tokens, temperature, top_p, None, "max_tokens")
         need = pages_for(len(prompt) + max_tokens - 1, self.pool.page_size)  # the last token is never written
         if need > self.pool.num_pages - 1:
@@ -192,6 +196,8 @@ class Engine:
                              f"engine's, the {SAMPLE_TOP_K} most likely tokens)")
         if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= TOP_LOGPROBS):
             raise ValueError(f"logprobs={logprobs!r} must be None or an int in [0, {TOP_LOGPROBS}]")
+        if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"min_tokens={min_tokens!r} must be an int in [0, max_tokens={max_tokens}]")
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop={list(stop)!r}: every stop string must be a non-empty string")
@@ -200,7 +206,7 @@ class Engine:
         seed = random.getrandbits(31) if seed is None else seed
         req = Request(list(prompt), max_tokens, float(temperature), float(top_p), top_k, int(seed) & 0x7FFFFFFF,
                       stop, callback, next(self.ids), logprobs=logprobs, prompt_logprobs=bool(prompt_logprobs),
-                      submitted_at=time.perf_counter())
+                      ignore_eos=bool(ignore_eos), min_tokens=min_tokens, submitted_at=time.perf_counter())
         req.stream = None if self.decode is None else TextStream(self.decode, req.prompt, stop)
         with self.lock:
             waiting = self.queue_length()

@@ -25,7 +25,7 @@ def add_token(req, token, lp, eos_ids):
         req.text = req.stream.text
         if req.stream.stopped:
             return "stop"
-    if token in eos_ids:
+    if token in eos_ids and not req.ignore_eos:
         return "stop"
     if len(req.tokens) >= req.max_tokens:
         return "length"

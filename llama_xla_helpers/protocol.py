@@ -14,7 +14,11 @@ Parameters, with OpenAI's names and defaults:
   most sampling.SAMPLE_TOP_K; 0 or -1 sets no limit of its own, so sampling keeps the engine's bound,
   the SAMPLE_TOP_K = 64 most likely tokens, as vLLM's and JetStream's TPU samplers do), seed
   (choice j of n uses seed + j), n (choices per prompt, up to MAX_N), stop (up to 4 non-empty
-  strings), stream, stream_options.include_usage, user. Any other field is refused with a 400 that
+  strings), stream, stream_options.include_usage (a usage chunk at the end) and
+  .continuous_usage_stats (vLLM's: usage so far in every chunk), user, and vLLM's ignore_eos (an
+  EOS id does not end the request) and min_tokens (no EOS id is sampled before that many tokens:
+  the engine masks them on the device). Chat messages' content is a string or OpenAI's list of
+  text parts (joined a line apart, as vLLM does; an image part is a 400). Any other field is refused with a 400 that
   names it; presence_penalty, frequency_penalty, logit_bias, suffix, best_of, response_format,
   tools and tool_choice are refused unless they ask for nothing (`check_supported`).
 
@@ -59,6 +63,7 @@ def api_error(status, message, type="invalid_request_error", param=None, code=No
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, so far
 
 
 class Sampling(BaseModel):
@@ -81,6 +86,8 @@ class Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
+    ignore_eos: bool = False  # vLLM's: generate on past an EOS id, to max_tokens (stop strings still stop)
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS id is sampled before this many tokens
 
 
 class CompletionBody(Sampling):
@@ -94,7 +101,21 @@ class CompletionBody(Sampling):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: str
-    content: str
+    content: str | list[dict]  # a string, or OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+
+    def text(self):
+        """The content as text: the text parts joined in order, a line apart (as vLLM joins them);
+        400 for any other part (an image: this model reads text only)."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for i, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise api_error(400, f"content part {i} has type {part.get('type')!r}: this server takes text parts "
+                                     f"only, {{'type': 'text', 'text': ...}} (the model reads no images or audio)",
+                                param="messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatBody(Sampling):
@@ -128,6 +149,9 @@ def check_supported(body):
         raise api_error(400, f"stop={body.stop!r} holds more than 4 stop strings (OpenAI's limit)", param="stop")
     if body.stream_options and not body.stream:
         raise api_error(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if body.max_tokens is not None and body.min_tokens > body.max_tokens:
+        raise api_error(400, f"min_tokens={body.min_tokens} is more than max_tokens={body.max_tokens}; ask for at "
+                             f"most max_tokens", param="min_tokens")
 
 
 def requested_logprobs(body):

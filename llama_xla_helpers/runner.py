@@ -279,7 +279,7 @@ GREEDY_ROWS = 16  # the fewest sampler rows whose steps have an argmax variant (
 KERNEL_ARGS = RaggedBatch._fields[:4]  # int32 on the device: the kernel's JAX side takes int32
 
 
-def step_program(model, views, pages, pin, last, ints, floats, layout, greedy=False):
+def step_program(model, views, pages, pin, last, ints, floats, layout, greedy=False, eos=()):
     """One ragged step (`Llama.ragged`): the tokens of every request it runs on one flat axis.
 
     ints, floats: the step's inputs, each packed in one tensor (`packed`; layout: their names and
@@ -288,10 +288,12 @@ def step_program(model, views, pages, pin, last, ints, floats, layout, greedy=Fa
     next prompt token at each position, for the prompt's log-probabilities (absent: not asked).
     Per sequence (S,): logits_at (its last token on the flat axis), write_to (its slot, or the
     spare last row of `last` when it samples nothing: a prompt chunk before its last), seed, top_k,
-    temperature, top_p. Then the fields of `attention.RaggedBatch`. greedy: every sequence that samples
-    is greedy and none asks for log-probabilities, so the program is an argmax (a variant of its own:
-    no top-k over the vocabulary, no log-softmax). Returns (a sampled token per sequence (S,), their
-    `logprobs_of` or None if greedy, the prompt's `logprobs_of` (T, ...) or None, last, pages)."""
+    no_eos (1: the `eos` ids may not be sampled, a request short of its min_tokens), temperature,
+    top_p. Then the fields of `attention.RaggedBatch`. greedy: every sequence that samples is greedy
+    and none asks for log-probabilities, so the program is an argmax (a variant of its own: no top-k
+    over the vocabulary, no log-softmax). eos: the model's EOS ids (a constant of the program).
+    Returns (a sampled token per sequence (S,), their `logprobs_of` (of the logits before the EOS
+    mask) or None if greedy, the prompt's `logprobs_of` (T, ...) or None, last, pages)."""
     x = unpacked(ints, layout[0]) | unpacked(floats, layout[1])
     batch = RaggedBatch(*(x[k].int() if k in KERNEL_ARGS and k in x else x.get(k) for k in RaggedBatch._fields))
     tokens = torch.where(x["from_last"] >= 0, last[x["from_last"].clamp(min=0)], x["tokens"])  # (T,)
@@ -302,10 +304,15 @@ def step_program(model, views, pages, pin, last, ints, floats, layout, greedy=Fa
     prompt = None if targets is None else tuple(map(pin, logprobs_of(logits, targets)))
     logits = logits if targets is None else logits[logits_at]  # (S, vocab_size)
     pos = batch.positions[logits_at]  # (S,) the position each samples from
+    masked = logits
+    if eos:
+        is_eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        is_eos[list(eos)] = True  # (vocab_size,)
+        masked = logits.masked_fill((x["no_eos"][:, None] > 0) & is_eos, float("-inf"))  # (S, vocab_size)
     if greedy:
-        nxt, lp = logits.argmax(dim=-1), None  # (S,): what sample_rows gives at temperature 0
+        nxt, lp = masked.argmax(dim=-1), None  # (S,): what sample_rows gives at temperature 0
     else:
-        nxt = sample_rows(logits, x["temperature"], x["top_p"], x["seed"], pos, x["top_k"])  # (S,)
+        nxt = sample_rows(masked, x["temperature"], x["top_p"], x["seed"], pos, x["top_k"])  # (S,)
         lp = tuple(map(pin, logprobs_of(logits, nxt)))
     last = last.index_copy(0, x["write_to"], nxt)  # (slots + 1,)
     pages = [v.pages for v in views]
@@ -346,7 +353,7 @@ class ModelRunner:
     per chunk-page bucket C < P, split in two (`splits`, `attention.flat_attention`). A step with
     prompt log-probabilities runs at the largest (one more program)."""
 
-    def __init__(self, model, slots, num_pages, page_size, token_buckets, compile):
+    def __init__(self, model, slots, num_pages, page_size, token_buckets, compile, eos=()):
         self.device = torch_xla.device()
         self.model = model if model.embed_tokens.weight.device.type == "xla" else model.to(self.device)
         if getattr(self.model, "mesh", None) is None:
@@ -371,7 +378,7 @@ class ModelRunner:
         self.last = self.put(torch.zeros(slots + 1, dtype=torch.long))  # each slot's newest token; a spare row
         self.whole = pages_for(args.max_seq_len, page_size)  # a whole context's block table
         self.page_buckets = (self.whole,) if self.kernel else growing(8, num_pages - 1, 4)  # the pool bounds the flat keys
-        self.compile = compile
+        self.compile, self.eos = compile, tuple(eos)  # eos: the ids min_tokens masks
         self.program = compiled(step_program, len(self.shapes())) if compile else step_program
 
     def most_pages(self, tokens):
@@ -436,6 +443,7 @@ class ModelRunner:
                     logits_at=[end - 1 for end in layout["cu_q_lens"][1:len(entries) + 1]] + [0] * s,
                     write_to=[r.slot if samples else self.slots for r, _, _, samples in entries] + [self.slots] * s,
                     seed=[r.seed for r, *_ in entries] + [0] * s, top_k=[r.top_k for r, *_ in entries] + [0] * s,
+                    no_eos=[int(start + n - len(r.prompt) < r.min_tokens) for r, start, n, _ in entries] + [0] * s,
                     **layout)
         floats = dict(temperature=[r.temperature for r, *_ in entries] + [0.0] * s,
                       top_p=[r.top_p for r, *_ in entries] + [1.0] * s)
@@ -457,8 +465,7 @@ class ModelRunner:
                 torch.ops.xla.dynamo_set_buffer_donor_(t, True)
         try:
             *out, last, pages = self.program(self.model, self.views, self.pages, self.pin, self.last,
-                                             *self.inputs(entries, echo, *shape),
-                                             greedy)
+                                             *self.inputs(entries, echo, *shape), greedy, self.eos)
         finally:
             for view in self.views:
                 view.pages = view.batch = None  # a reference alive at the sync would be one more output

@@ -57,6 +57,8 @@ class Request:
     id: int = 0
     logprobs: int = None  # None, or alternatives to report with each token's log-probability
     prompt_logprobs: bool = False
+    ignore_eos: bool = False  # an EOS id does not end it
+    min_tokens: int = 0  # no EOS id is sampled before this many tokens (masked on the device)
     token_logprobs: list = dataclasses.field(default_factory=list)  # per token: (logprob, [(id, logprob), ...])
     prompt_token_logprobs: list = dataclasses.field(default_factory=list)  # the same, prompt tokens 1, 2, ...
     tokens: list = dataclasses.field(default_factory=list)  # generated so far (an EOS is kept)

@@ -199,6 +199,36 @@ def test_finish_on_eos_stop_string_and_max_tokens():
     assert one.finish_reason == "length" and one.tokens == want[:1]
 
 
+def test_min_tokens_masks_the_eos_ids_on_the_device_and_ignore_eos_runs_past_them():
+    """EOS ids that greedy decoding writes: at step k of one prompt (a decode step's sampling), and
+    first for another (its prefill's). A plain request stops there; with ignore_eos it runs to
+    max_tokens with the tokens of a run without EOS ids; with min_tokens past them the step masks
+    them, and the token there is the next most likely by hand, from Hugging Face's logits with the
+    EOS ids' set to -inf."""
+    p, want = prompts()[1], expected()[1]
+    k = next(k for k in range(2, len(want)) if want[k] not in want[:k])
+    j = next(j for j in range(2, len(LENGTHS)) if expected()[j][0] not in want[:k + 1])
+    q, first = prompts()[j], expected()[j][0]
+    eng = engine(eos_id=[want[k], first])
+    plain, ignoring, masked, plain_q, masked_q = run(eng, [
+        eng.submit(p, 11), eng.submit(p, 11, ignore_eos=True), eng.submit(p, 11, min_tokens=k + 1),
+        eng.submit(q, 4), eng.submit(q, 4, min_tokens=1)])
+    assert (plain.tokens, plain.finish_reason, plain_q.tokens) == (want[:k + 1], "stop", [first])
+    assert (ignoring.tokens, ignoring.finish_reason) == (want, "length")
+
+    def by_hand(ids):  # the greedy token after ids with the EOS ids masked
+        with torch.no_grad():
+            logits = hf()(torch.tensor([ids])).logits[0, -1]
+        logits[[want[k], first]] = float("-inf")
+        top2 = logits.topk(2).values
+        assert top2[0] - top2[1] > 1e-3, "a near tie: the test proves nothing"
+        return int(logits.argmax())
+    assert masked.tokens[:k + 1] == want[:k] + [by_hand(p + want[:k])]
+    assert masked_q.tokens[0] == by_hand(q) and eng.compiles_since_warmup == 0
+    with pytest.raises(ValueError, match=r"min_tokens=12 must be an int in \[0, max_tokens=11\]"):
+        eng.submit(p, 11, min_tokens=12)
+
+
 def test_cancel_frees_the_slot():
     eng = engine(slots=1)
     first, second = eng.submit(prompts()[0], 50), eng.submit(prompts()[1], 11)

@@ -442,6 +442,33 @@ def test_bad_chat_and_routes(server):
 
 
 @pytest.mark.child_process
+def test_what_benchmark_clients_send(server, expected):
+    """A chat's content as OpenAI's list of text parts is the text of the parts a line apart; an image
+    part is a 400 that says so, and the server logs each 4xx's reason at its default level;
+    continuous_usage_stats puts the usage so far in every chunk."""
+    chat = "/v1/chat/completions"
+    parts = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief"}]
+    want = expected(protocol.chat_prompt(TOK, [{"role": "user", "content": "Be\nbrief"}]), 12)
+    status, out = post(server.url, chat, dict(messages=[{"role": "user", "content": parts}], max_tokens=12,
+                                              temperature=0))
+    assert status == 200 and out["choices"][0]["message"]["content"] == want[0], out
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    status, out = post(server.url, chat, dict(messages=[{"role": "user", "content": [parts[0], image]}]))
+    message = "content part 1 has type 'image_url': this server takes text parts only"
+    assert status == 400 and out["error"]["message"].startswith(message) and out["error"]["param"] == "messages"
+    wait_for(lambda: f"400 POST /v1/chat/completions: {message}" in open(server.log).read())
+
+    body = dict(prompt="Why", max_tokens=40, temperature=0, stream=True,
+                stream_options=dict(include_usage=True, continuous_usage_stats=True))
+    *chunks, last, done = events(open_stream(server.url, "/v1/completions", body))
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    text, n, _ = expected("Why", 40)
+    assert done == "[DONE]" and last["choices"] == [] and last["usage"]["completion_tokens"] == n
+    assert counts == sorted(counts) and counts[-1] == n and all(c["usage"]["prompt_tokens"] == 4 for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
+@pytest.mark.child_process
 def test_unsupported_parameters_with_their_no_op_values_are_accepted(server, expected):
     noops = dict(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, suffix="", best_of=1, logprobs=None,
                  echo=False, top_k=-1, user="u1", stream_options=None)
@@ -686,9 +713,15 @@ def test_every_eos_id_of_the_model_ends_a_request(model_dir, greedy, tmp_path):
                                           compile=True)  # the TPU's path, as `serve --compile` asks for it
     assert engine.eos_ids == {TOK.eos_id, 1, tokens[k]}  # config.json's is the byte tokenizer's
     with TestClient(api.app(engine, tokenizer, "tiny")) as client:
-        out = client.post("/v1/completions", json=dict(prompt=LONG, max_tokens=40, temperature=0)).json()
+        out, ignoring, masked = (client.post("/v1/completions", json=dict(prompt=LONG, max_tokens=40, temperature=0,
+                                                                           **extra)).json()
+                                 for extra in (dict(), dict(ignore_eos=True), dict(min_tokens=k + 2)))
     assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == k + 1, out
     assert out["choices"][0]["text"] == TOK.decode(tokens[:k + 1])
+    # vLLM's ignore_eos and min_tokens (masked inside the compiled step; test_engine.py checks the token by hand)
+    assert (ignoring["choices"][0]["text"], ignoring["choices"][0]["finish_reason"]) == (TOK.decode(tokens), "length")
+    assert masked["usage"]["completion_tokens"] >= k + 2 and masked["choices"][0]["text"].startswith(TOK.decode(tokens[:k]))
+    assert engine.compiles_since_warmup == 0
 
 
 def test_a_bf16_server_serves_its_engines_tokens_close_to_fp32(tmp_path, monkeypatch):
