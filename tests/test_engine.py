@@ -416,7 +416,7 @@ def test_an_all_greedy_decode_step_runs_the_argmax_program_and_gets_the_same_tok
     eng, ps, ran = engine(slots=16), prompts(), []
     assert {(t, g) for t, _, _, _, g in eng.runner.shapes()} == {(16, False), (16, True), (32, False)}
     program = eng.runner.program
-    eng.runner.program = lambda *args: ran.append(args[-1]) or program(*args)
+    eng.runner.program = lambda *args: ran.append(args[-2]) or program(*args)  # (..., greedy, eos)
     reqs = run(eng, [eng.submit(p, 10 + i) for i, p in enumerate(ps)])
     assert [r.tokens for r in reqs] == list(expected()) and True in ran
     ran.clear()
