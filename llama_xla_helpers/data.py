@@ -15,10 +15,10 @@ folder must be one every host sees, or a gs:// URL), into a temporary file renam
 a crash never leaves a file by that name that is not complete. Given `share` (train passes it),
 only process 0 reads the data, to name the file; the other hosts get the name from it, so only
 process 0 needs the data. The other hosts wait for the file (30 minutes plus a second per MiB of
-data; for a larger corpus, tokenize first on one host with `python -m llama_xla_helpers.data`). Every host then reads only the rows it needs, through
-np.memmap or, from a gs:// folder, by byte ranges (`TokenRows`), never the whole corpus;
-`token_rows` holds out the last `val_fraction` of the rows, as `train_val_split` holds out the
-end of the text.
+data; for a larger corpus, tokenize first on one host with `python -m llama_xla_helpers.data`).
+Every host then reads only the rows it needs, through np.memmap or, from a gs:// folder, by
+byte ranges (`TokenRows`), never the whole corpus; `token_rows` holds out the last
+`val_fraction` of the rows, as `train_val_split` holds out the end of the text.
 
 Data files: UTF-8 text (one document), or JSONL (`.jsonl`) with a string field "text" per line
 (one document a line, so documents are separated by EOS). SFT data (`sft_file`): JSONL with
@@ -340,12 +340,17 @@ def _wait_for(there, where, wait):
         time.sleep(min(POLL_S, left))
 
 
-def _named(directory, lead, share, name):
-    """name() -> (file name, wait): on a pod with `share`, the lead's answer on every host, so no
-    other host reads (or even needs) its own copy of the data; an error in the lead's name()
-    raises on every host. share(value) is a collective: every host calls it and gets the lead's
-    value (train passes `checkpoint.lead_value`). share or directory None: every host calls
-    name() itself (no directory: each writes its own file, `_place`)."""
+def _named(directory, lead, share, data, wait, check, kind, fmt, *key):
+    """(file name, wait) of the file made from `data`: check() (which raises on bad input), then
+    `_name(kind, fmt, <data's sha>, *key)` and `wait` (None: `wait_seconds(data)`). On a pod with
+    `share`, the lead's answer on every host, so no other host reads (or even needs) its own
+    copy of the data; an error in the lead raises on every host. share(value) is a collective:
+    every host calls it and gets the lead's value (train passes `checkpoint.lead_value`). share
+    or directory None: every host names the file itself (no directory: each writes its own
+    file, `_place`)."""
+    def name():
+        check()
+        return _name(kind, fmt, _data_sha(data), *key), wait_seconds(data) if wait is None else wait
     if share is None or directory is None:
         return name()
     try:
@@ -418,12 +423,9 @@ def token_file(data, tokenizer, directory=None, *, lead=True, wait=None, piece_c
     """
     tok_sha = tokenizer_sha(tokenizer)
 
-    def named():
-        if data is not None:
-            _check_file(data, fix="pass a UTF-8 text file or a JSONL file (.jsonl) with a 'text' field per line")
-        return (_name("tokens", TOKENS_FORMAT, _data_sha(data), tok_sha, piece_chars),
-                wait_seconds(data) if wait is None else wait)
-    name, wait = _named(directory, lead, share, named)
+    check = lambda: data is None or _check_file(  # noqa: E731
+        data, fix="pass a UTF-8 text file or a JSONL file (.jsonl) with a 'text' field per line")
+    name, wait = _named(directory, lead, share, data, wait, check, "tokens", TOKENS_FORMAT, tok_sha, piece_chars)
     meta = {"format": TOKENS_FORMAT, "data": str(data) if data is not None else "pydoc_data.topics",
             "tokenizer_sha256": tok_sha}
     write = lambda path: _write_atomic(path, _token_arrays(data, tokenizer, piece_chars), meta)  # noqa: E731
@@ -740,10 +742,8 @@ def sft_file(data, tokenizer, seq_len, directory=None, *, long="drop", packed=Fa
     tok_sha = tokenizer_sha(tokenizer, chat=True)
     fmt = SFT_PACKED_FORMAT if packed else SFT_FORMAT
 
-    def named():
-        _check_file(data, what="SFT file", fix="pass a JSONL file with 'messages' per line")
-        return _name("sft", fmt, _data_sha(data), tok_sha, seq_len, long), wait_seconds(data) if wait is None else wait
-    name, wait = _named(directory, lead, share, named)
+    check = lambda: _check_file(data, what="SFT file", fix="pass a JSONL file with 'messages' per line")  # noqa: E731
+    name, wait = _named(directory, lead, share, data, wait, check, "sft", fmt, tok_sha, seq_len, long)
     stats = dict(conversations=0, rows=0, conversation_tokens=0, dropped_too_long=0, truncated=0,
                  dropped_no_assistant=0, longest=0)
     meta = {"format": fmt, "data": str(data), "seq_len": seq_len, "long": long, "tokenizer_sha256": tok_sha}
