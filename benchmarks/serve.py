@@ -71,6 +71,11 @@ less the time its compiled programs ran (`profile.host_ms`), median over the ste
 Python thread's time in PjRt's "Wait for donation holds" per step, where it waits for the device.
 `--host-only` runs this part alone and updates it in the saved JSON.
 
+Structured output (issue 61): the compiled engine on the workload all at once, every request
+under a grammar (a JSON string of exactly its output length, so the token counts match), against
+the same run unconstrained, alternating, REPS times (`constrained`). `--constrained-only` runs
+this part alone and updates it in the saved JSON.
+
 Prefix caching (one request at a time, an engine with a 2,048-token context: pages of 128, two
 whole contexts, token buckets (32, 256)): the time to first token of a request of a 1,024-token
 prefix and a distinct 32-token suffix when the prefix is cached (an earlier request had it)
@@ -91,7 +96,7 @@ with the 1,024-token prefix cached <= 0.2x uncached (each path); 0 compilations 
 many programs or fewer: BEFORE_PROGRAMS, which took BEFORE_WARMUP_S on this CPU); the batch-1
 decode step <= `Generator`'s compiled step and <= 0.8x HF eager's; host time per batch-8 decode
 step <= 1 ms; more tokens/s than the lazy path (else the lazy path is the default here); HTTP
-overhead <= 10%.
+overhead <= 10%. Issue 61's: tokens/s with every request constrained >= 0.85x unconstrained.
 
 Dropped: engine / static tokens/s within 10% of the ceiling (static's decode steps / the
 engine's): the ceiling counted steps of 8 fixed slots against static's batches of 8, each step
@@ -128,11 +133,13 @@ from transformers.utils.logging import disable_progress_bar
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.engine import Engine
 from llama_xla_helpers.generate import Generator
+from llama_xla_helpers.grammar import Grammars
 from llama_xla_helpers.kv_pages import page_size_for, pages_for
 from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.runner import default_compile
 from llama_xla_helpers.runtime import init_runtime
+from llama_xla_helpers.tokenizer import ByteTokenizer
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODEL = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1376,
@@ -223,15 +230,17 @@ def wait_until(t):
 
 # --- The systems: each runs the workload with arrival times (s from its start) and returns rows ---
 
-def run_engine(engine, work, arrivals):
+def run_engine(engine, work, arrivals, grammars=None):
     """Rows; and the steps that compiled after warm-up, each with its profile (the step's index,
-    requests and longest block table in pages, which set its shape)."""
+    requests and longest block table in pages, which set its shape). grammars: a compiled grammar
+    per request (`constrained`), or None."""
     engine.timeline.clear()
-    t0, pending, reqs, misses = time.perf_counter(), list(zip(arrivals, work)), [], []
+    pending = list(zip(arrivals, work, grammars or [None] * len(work)))
+    t0, reqs, misses = time.perf_counter(), [], []
     while pending or not all(r.done for r in reqs):
         while pending and t0 + pending[0][0] <= time.perf_counter():
-            prompt, n = pending.pop(0)[1]
-            reqs.append(engine.submit(prompt, n))
+            _, (prompt, n), grammar = pending.pop(0)
+            reqs.append(engine.submit(prompt, n, grammar=grammar))
         compiles = engine.compiles_since_warmup
         if not engine.step() and pending:  # idle: sleep until the next arrival
             wait_until(t0 + pending[0][0])
@@ -512,6 +521,27 @@ def prefix_ttft(hf, setup):
 
 # --- The run --------------------------------------------------------------------------------------
 
+def constrained(hf, setup, engine=None):
+    """The compiled engine on the workload all at once, unconstrained and with every request under
+    a grammar, alternating, setup.reps times each: summary rows. A request of n tokens gets the
+    JSON schema of a string of n - 3 lowercase letters ({"type": "string", "pattern": ...}), over
+    the byte tokenizer's ids (the model's 32,000 ids past them are never allowed), so its answer
+    is the quote, n - 3 letters, the quote and EOS: n tokens, as unconstrained. The grammars
+    compile before the clock starts (the server compiles a request's before submitting it)."""
+    engine = engine or build_engine(hf, setup, True)
+    grammars = Grammars(ByteTokenizer(), setup.config.vocab_size, [ByteTokenizer.eos_id])
+    work = workload(setup)
+    compiled = [grammars.json_schema({"type": "string", "pattern": f"^[a-z]{{{n - 3}}}$"}) for _, n in work]
+    rows = []
+    for rep in range(setup.reps):
+        for system, each in (("engine-compiled", None), ("engine-compiled-constrained", compiled)):
+            out, missed = run_engine(engine, work, [0.0] * len(work), each)
+            compiles = sum(m["compiles"] for m in missed)
+            rows.append(summary(system, "all-at-once", out, work, rep) | dict(compiles=compiles))
+            print(f"constrained part, {system}, repetition {rep}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+    return rows
+
+
 def patterns(n, engine_requests_per_s):
     rates = {f"poisson-{load:.0%}": load * engine_requests_per_s for load in LOADS}
     return {"all-at-once": [0.0] * n} | {name: poisson(n, rate) for name, rate in rates.items()}, rates
@@ -577,6 +607,7 @@ def run_all(setup, folder):
         with torch.no_grad():
             runs += [summary("hf-cb", name, run_hf_cb(manager, work, a), work, rep) for name, a in arrivals.items()]
     manager.stop()
+    grammar_runs = constrained(hf, setup, engines["engine-compiled"])
     compiles = {system: engine.compiles_since_warmup for system, engine in engines.items()}
     compiles["all"] = count_compiles() - before
     compiles["engine_steps"] = sum(r["compiles"] for r in engine_decode)
@@ -596,7 +627,7 @@ def run_all(setup, folder):
                 warmup=dict(seconds=engine.warmup_s, programs=len(engine.runner.shapes())),
                 default_compile=default_compile(), loads=LOADS, rates_per_s=rates, compiles_after_warmup=compiles,
                 compile_misses=misses, memory_maps=memory_maps(), runs=runs, timeline=timeline, decode=decode,
-                engine_decode=engine_decode, prefix_caching=prefix)
+                engine_decode=engine_decode, prefix_caching=prefix, constrained=grammar_runs)
 
 
 def ratios(result, num, den, key="tokens_per_s"):
@@ -658,6 +689,11 @@ def targets(result):
     default = "engine-compiled" if result["default_compile"] else "engine-lazy"  # Engine's compile=None here
     rows.append((f"compiled engine faster than the lazy one, or the lazy one is the default here (default: {default})",
                  spread(x), np.median(x) > 1 or default == "engine-lazy"))
+    if "constrained" in result:  # issue 61's row (results before it have none)
+        by = {(r["system"], r["rep"]): r["tokens_per_s"] for r in result["constrained"]}
+        x = [by["engine-compiled-constrained", k] / by["engine-compiled", k] for k in range(result["setup"]["reps"])]
+        rows.append(("compiled engine tokens/s with every request constrained by a grammar >= 0.85x unconstrained "
+                     "(all-at-once)", spread(x), np.median(x) >= 0.85))
     http = np.median([r["tokens_per_s"] for r in runs if r["system"] == "http"])
     overhead = 1 - http / np.median([r["tokens_per_s"] for r in flight])
     rows.append(("HTTP overhead <= 10% (all-at-once, against engine-compiled)", f"{overhead:.1%}", overhead <= 0.10))
@@ -690,7 +726,8 @@ def report(result):
     print(f"medians of {result['setup']['reps']} repetitions")
     print(plots.table([{k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k, "") for k in columns}
                        for r in runs], columns))
-    for rows in (result["decode"], result["engine_decode"], result["prefix_caching"]):
+    for rows in (result["decode"], result["engine_decode"], result["prefix_caching"], *(
+            [result["constrained"]] if "constrained" in result else [])):
         print(plots.table([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows]))
     for t in result["targets"]:
         print(f"{'met   ' if t['met'] else 'missed'}  {t['target']}: {t['measured']}")
@@ -730,24 +767,28 @@ def main():
     parser.add_argument("--quick", action="store_true", help="8 short requests, a 2-layer model; a temp folder")
     parser.add_argument("--host-only", action="store_true",
                         help="only the host time per batch-8 decode step, updated in the saved results/serve.json")
+    parser.add_argument("--constrained-only", action="store_true",
+                        help="only the constrained part (grammars or none), updated in the saved results/serve.json")
     args = parser.parse_args()
-    if args.quick and args.host_only:
-        parser.error("--host-only updates the full run's results/serve.json: run without --quick")
+    if args.quick and (args.host_only or args.constrained_only):
+        parser.error("--host-only and --constrained-only update the full run's results/serve.json: run without --quick")
     setup, start = QUICK if args.quick else FULL, time.perf_counter()
     if not args.quick:
         check_map_count()
     out = tempfile.mkdtemp(prefix="serve-quick-") if args.quick else RESULTS
     os.environ["LLAMA_XLA_FIGURES"] = out  # the figures go beside the JSON
-    if args.host_only:
+    if args.host_only or args.constrained_only:
         path = os.path.join(RESULTS, "serve.json")
         with open(path) as f:
             result = json.load(f)
         hf = seeded_model(setup)
-        for row in result["engine_decode"]:
+        for row in result["engine_decode"] if args.host_only else []:
             if row["batch"] == SLOTS:
                 row |= host_ms(warm_engine(hf, setup.max_seq_len, SLOTS, STEP_BUCKETS, ENGINES[row["system"]],
                                            row["pool_pages"]))
                 print(f"engine step: {row}", flush=True)  # progress
+        if args.constrained_only:
+            result["constrained"] = constrained(hf, setup)
         result["targets"] = targets(result)
         with open(path, "w") as f:
             json.dump(result, f, indent=2)

@@ -13,6 +13,7 @@ Endpoints, with OpenAI's names (their parameters and defaults: `protocol.py`):
 - POST /v1/completions and POST /v1/chat/completions. Responses carry `usage` (summed over the
   choices) and `finish_reason` ("stop": an EOS id of the model (the tokenizer's and all of those in
   its config.json and generation_config.json, `serve.decoder`) or a stop string; "length";
+  "tool_calls", a chat answer that is a call of one of its tools (`protocol.tool_calls`);
   "cancelled", see Faults).
   `stream: true` sends server-sent events, one chunk per new piece of text (with its choice's
   `index` and its tokens' logprobs), then `data: [DONE]`. A streamed chunk holds back a tail that
@@ -72,8 +73,10 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from .engine import Engine, QueueFull
+from .grammar import Grammars
 from .protocol import (ChatBody, CompletionBody, api_error, chat_logprobs, chat_prompt, check_supported,
-                       completion_logprobs, completion_prompts, encode, requested_logprobs)
+                       completion_logprobs, completion_prompts, encode, logit_bias_ids, requested_logprobs,
+                       tool_calls)
 
 LOG = logging.getLogger("uvicorn.error")  # the server's log (uvicorn sets it up)
 MAX_BODY_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt as ids is about 1 MB of JSON
@@ -129,8 +132,10 @@ class Served:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # a submit against a fault
     registry: prometheus_client.CollectorRegistry = dataclasses.field(init=False)
     histograms: dict = dataclasses.field(init=False)  # HISTOGRAMS' names -> prometheus_client.Histogram
+    grammars: Grammars = dataclasses.field(init=False)  # response_format's, compiled on first use
 
     def __post_init__(self):
+        self.grammars = Grammars(self.tokenizer, self.engine.vocab_size, self.engine.eos_ids)
         prometheus_client.disable_created_metrics()  # for the whole process: no `_created` series
         self.registry = prometheus_client.CollectorRegistry()  # the app's own: two apps in a process work
         self.registry.register(EngineMetrics(self.engine))
@@ -241,7 +246,16 @@ def submit(served, body, prompts):
                 loop.call_soon_threadsafe(queue.put_nowait, update)
         return put
 
-    logprobs = requested_logprobs(body)
+    logprobs, logit_bias = requested_logprobs(body), logit_bias_ids(body)
+    schema = body.tool_schema() if isinstance(body, ChatBody) else None  # a call the answer must be
+    if schema and body.response_format not in (None, {"type": "text"}):
+        raise api_error(400, "response_format with a tool_choice that forces a call: the call's grammar is the "
+                             "answer's; send one of them", param="response_format")
+    try:
+        grammar = served.grammars.json_schema(schema, "tools") if schema else \
+            body.response_format and served.grammars.response_format(body.response_format)
+    except ValueError as e:
+        raise api_error(400, str(e), param="tools" if schema else "response_format") from None
     try:
         with served.lock:  # not while the engine thread records a fault: see `run_engine`
             if served.fault:
@@ -253,7 +267,9 @@ def submit(served, body, prompts):
                         prompt, max_tokens, body.temperature, body.top_p, None if body.seed is None else body.seed + j,
                         body.stop or (), callback(i * body.n + j), max(body.top_k, 0), logprobs,
                         prompt_logprobs=getattr(body, "echo", False) and logprobs is not None,
-                        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens))
+                        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logit_bias=logit_bias,
+                        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                        grammar=grammar))
     except (QueueFull, ValueError) as e:
         served.release(reqs)
         if isinstance(e, QueueFull):
@@ -291,6 +307,20 @@ class Choices:
         self.decode = served.engine.decode  # tokens -> text without special tokens (`decoder`)
         self.scoring = not chat and body.echo and body.max_tokens == 0  # the prompt only
         self.logprobs = reqs[0].logprobs is not None
+        self.tools = chat and body.tools_on()  # an answer may be a tool call
+
+    def calls(self, index):
+        """OpenAI's tool_calls of choice `index`'s answer, or None (text; or no tools)."""
+        return tool_calls(self.reqs[index].text or "", self.body.tools) if self.tools else None
+
+    def may_call(self, text):
+        """Whether a streamed answer that starts with `text` may still become a tool call (held back)."""
+        return self.tools and text.lstrip()[:1] in ("", "{", "<")
+
+    def finish_reason(self, index):
+        """OpenAI's finish_reason of choice `index`: "tool_calls" for an answer that is a call."""
+        reason = self.reqs[index].finish_reason
+        return "tool_calls" if reason == "stop" and self.calls(index) else reason
 
     def prompt_part(self, index):
         """(echoed text, its logprobs entries, its tokens) of choice `index`'s prompt ("" unless echo)."""
@@ -319,8 +349,10 @@ class Choices:
             text, n = self.prompt_part(index)[0] + (req.text or ""), len(req.tokens)
         logprobs = self.logprobs_of(index, 0, n, with_prompt=True)
         if self.chat:
-            return dict(index=index, message=dict(role="assistant", content=text), logprobs=logprobs,
-                        finish_reason=req.finish_reason)
+            calls = self.calls(index)
+            message = dict(role="assistant", content=None, tool_calls=calls) if calls else \
+                dict(role="assistant", content=text)
+            return dict(index=index, message=message, logprobs=logprobs, finish_reason=self.finish_reason(index))
         return dict(index=index, text=text, logprobs=logprobs, finish_reason="length" if self.scoring else req.finish_reason)
 
     def completion_tokens(self):
@@ -353,11 +385,18 @@ async def events(head, choices, stream):
             continue
         i, count = u.index, 0 if choices.scoring else u.count
         text = "" if choices.scoring else (u.text if u.reason else settled(u.text, stop)) or ""
+        if not u.reason and not sent[i] and choices.may_call(text):  # held back until it is clearly text
+            text, count = "", counted[i]
         if u.reason or len(text) > len(sent[i]) or first[i]:
             echo = choices.prompt_part(i)[0] if first[i] else ""  # echo: the prompt, first
             delta = echo + text[len(sent[i]):]
             logprobs = choices.logprobs_of(i, counted[i], count, with_prompt=first[i])
-            if chat:
+            calls = u.reason and choices.calls(i)
+            if calls:  # the whole call in one delta, as OpenAI's chunks add up
+                message = ({"role": "assistant"} if first[i] else {}) | {
+                    "tool_calls": [dict(index=k, **call) for k, call in enumerate(calls)]}
+                chunk = dict(index=i, delta=message, logprobs=logprobs, finish_reason="tool_calls")
+            elif chat:
                 message = ({"role": "assistant"} if first[i] else {}) | ({"content": delta} if delta or first[i] else {})
                 chunk = dict(index=i, delta=message, logprobs=logprobs, finish_reason=u.reason)
             else:
@@ -432,8 +471,8 @@ async def completions(request: Request, body: CompletionBody):
 
 async def chat_completions(request: Request, body: ChatBody):
     served = request.app.state.served
-    prompt = encode(served.tokenizer, chat_prompt(served.tokenizer, [dict(role=m.role, content=m.text())
-                                                                     for m in body.messages]))
+    tools = body.tools and [t.model_dump(exclude_none=True) for t in body.tools]
+    prompt = encode(served.tokenizer, chat_prompt(served.tokenizer, [m.for_template() for m in body.messages], tools))
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     if body.max_tokens is None:  # at least 1: a prompt too long gets the engine's message

@@ -41,7 +41,9 @@ The host never waits for the device in between: a step launches its program, and
 the previous step's tokens (JetStream's one-step lag), so preparing step n + 1 overlaps the device
 running step n. The price: a request that ends on EOS or a stop string runs one step longer, and
 that extra token is dropped. A decode step's input token is the one the previous step sampled,
-which stays on the device for it (`runner.step_program`).
+which stays on the device for it (`runner.step_program`). While a request with a grammar runs,
+the engine reads each step's tokens before launching the next instead: the grammar's mask for
+the next token needs the token before it (`grammar.py`).
 
 compile: the runner's program goes through `torch.compile(backend="openxla")`, traced once per
 shape, and the pages are donated, so XLA writes them in place (runner.py). Without it, each step
@@ -63,7 +65,11 @@ compile after warm-up (a new shape, or a Python value baked into a graph) raises
 
 Sampling is per request (temperature, top-k, top-p and a seed as device tensors) and draws its
 noise from (seed, position), so a request samples the same tokens whatever shares the step
-(`sampling.sample_rows`, which `Generator` uses too). Text grows incrementally (`detokenize.TextStream`).
+(`sampling.sample_rows`, which `Generator` uses too). OpenAI's logit_bias, presence and frequency
+penalties and a grammar's token bitmask (structured output, `grammar.py`) change a request's
+logits in the same program (`sampling.adjusted`), from state the step keeps per slot on the device
+(`runner.step_program`), so no parameter adds a program. Text grows incrementally
+(`detokenize.TextStream`).
 
 Sources: vLLM v1's scheduler, KV cache manager and TPU model runner, https://github.com/vllm-project/vllm;
 Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention"
@@ -80,12 +86,13 @@ import time
 from .attention import on_tpu
 from .detokenize import TextStream
 from .generate import check_request
+from .grammar import matcher
 from .kv_pages import PagePool, page_size_for, pages_for
 from .metrics import count_compiles
 from .outputs import add_prompt_logprobs, add_token, settle
 from .runner import ModelRunner, default_compile
 from .sampling import SAMPLE_TOP_K, TOP_LOGPROBS, sample_rows  # noqa: F401  the engine's names, as before
-from .scheduler import Request, Scheduler
+from .scheduler import LOGIT_BIAS_MAX, Request, Scheduler
 
 BUCKETS = (16, 32, 64, 128, 256, 512)  # a step's token counts on a TPU (the kernel's and the MXU's: 16 and up)
 CPU_BUCKETS = (4, 8) + BUCKETS  # elsewhere: a few requests decoding pay for 4 or 8 rows, not 16 (module docstring)
@@ -103,6 +110,20 @@ class QueueFull(RuntimeError):
 
 class RecompileError(RuntimeError):
     """A graph compiled after warm-up."""
+
+
+def check_logit_bias(logit_bias, vocab_size):
+    """{token id: bias} as ints and floats; ValueError naming the entry that is not an id in
+    [0, vocab_size) with a number in [-100, 100], or more than LOGIT_BIAS_MAX entries (OpenAI's limits)."""
+    logit_bias = dict(logit_bias or {})
+    if len(logit_bias) > LOGIT_BIAS_MAX:
+        raise ValueError(f"logit_bias=<{len(logit_bias)} entries> holds more than {LOGIT_BIAS_MAX}; send fewer")
+    for token, bias in logit_bias.items():
+        if not isinstance(token, int) or not 0 <= token < vocab_size or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias={{{token!r}: {bias!r}}} must map token ids in [0, {vocab_size}) to "
+                             f"numbers in [-100, 100]")
+    return {token: float(bias) for token, bias in logit_bias.items()}
 
 
 def check_buckets(buckets, slots):
@@ -172,7 +193,8 @@ class Engine:
     # --- requests (any thread) ---
 
     def submit(self, prompt, max_tokens, temperature=0.0, top_p=1.0, seed=None, stop=(), callback=None, top_k=0,
-               logprobs=None, prompt_logprobs=False, ignore_eos=False, min_tokens=0):
+               logprobs=None, prompt_logprobs=False, ignore_eos=False, min_tokens=0, logit_bias=None,
+               presence_penalty=0.0, frequency_penalty=0.0, grammar=None):
         """Queue a request; returns its `Request` at once. ValueError for bad input (before any
         work), QueueFull when max_queue requests are waiting.
 
@@ -184,7 +206,13 @@ class Engine:
 
         ignore_eos: an EOS id does not end the request (it runs to max_tokens or a stop string);
         min_tokens: no EOS id is sampled before the request has that many tokens (the step masks
-        their logits on the device, `runner.step_program`), vLLM's two extensions."""
+        their logits on the device, `runner.step_program`), vLLM's two extensions.
+
+        OpenAI's logit_bias ({token id: -100 to 100}, at most LOGIT_BIAS_MAX entries, added to
+        the logits), presence_penalty and frequency_penalty (-2 to 2, over the tokens generated so
+        far), and grammar (a compiled grammar, `grammar.Grammars`: only tokens it allows are
+        sampled, and the request ends once it is complete) are applied on the device inside the
+        step (`sampling.adjusted`)."""
         check_request(self.model.args, None, [prompt], max_tokens, temperature, top_p, None, "max_tokens")
         need = pages_for(len(prompt) + max_tokens - 1, self.pool.page_size)  # the last token is never written
         if need > self.pool.num_pages - 1:
@@ -198,6 +226,13 @@ class Engine:
             raise ValueError(f"logprobs={logprobs!r} must be None or an int in [0, {TOP_LOGPROBS}]")
         if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
             raise ValueError(f"min_tokens={min_tokens!r} must be an int in [0, max_tokens={max_tokens}]")
+        logit_bias = check_logit_bias(logit_bias, self.vocab_size)
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name}={value!r} must be a number in [-2, 2]")
+        if grammar is not None and min_tokens:
+            raise ValueError(f"min_tokens={min_tokens} with a grammar: the grammar decides where the output ends; "
+                             "leave min_tokens out")
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop={list(stop)!r}: every stop string must be a non-empty string")
@@ -206,7 +241,9 @@ class Engine:
         seed = random.getrandbits(31) if seed is None else seed
         req = Request(list(prompt), max_tokens, float(temperature), float(top_p), top_k, int(seed) & 0x7FFFFFFF,
                       stop, callback, next(self.ids), logprobs=logprobs, prompt_logprobs=bool(prompt_logprobs),
-                      ignore_eos=bool(ignore_eos), min_tokens=min_tokens, submitted_at=time.perf_counter())
+                      ignore_eos=bool(ignore_eos), min_tokens=min_tokens, logit_bias=logit_bias,
+                      presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
+                      grammar=None if grammar is None else matcher(grammar), submitted_at=time.perf_counter())
         req.stream = None if self.decode is None else TextStream(self.decode, req.prompt, stop)
         with self.lock:
             waiting = self.queue_length()
@@ -240,17 +277,24 @@ class Engine:
 
     def step(self):
         """Run the scheduler's next plan on the device, then read the previous step's tokens and
-        hand them to their requests. Returns True if there was work."""
+        hand them to their requests. Returns True if there was work. While a request with a grammar
+        runs, the previous step's tokens are read first: its grammar needs its newest token to
+        fill the next step's mask (`grammar.py`)."""
         compiles = count_compiles()
         with self.lock:
             for req in [r for r in (*self.scheduler.order, *self.scheduler.waiting) if r.cancelled]:
                 self.finish(req, "cancelled")
+            grammar = any(r.grammar is not None for r in self.scheduler.order)
+        early, self.pending = (self.pending, None) if grammar else (None, self.pending)
+        if early is not None:
+            self.collect(*early)
+        with self.lock:
             plan = self.scheduler.schedule()
         read, self.pending = self.pending, self.dispatch(plan) if plan.entries else None
         if read is not None:
             self.collect(*read)
         self.check_compiles(count_compiles() - compiles)
-        return bool(plan.entries) or read is not None
+        return bool(plan.entries) or read is not None or early is not None
 
     def dispatch(self, plan):
         """Launch the plan's step (it returns at once); returns what `collect` reads of it."""
@@ -282,6 +326,10 @@ class Engine:
             return
         reason = add_token(req, token, lp, self.eos_ids)
         self.tokens_total += 1
+        if req.grammar is not None and not reason:
+            if not req.grammar.accept_token(token):  # the step's mask allowed only what it accepts: a bug
+                return self.finish(req, "error", f"token {token} is not one its grammar allows")
+            reason = "stop" if req.grammar.is_terminated() else None
         if reason:
             return self.finish(req, reason)
         if req.callback:

@@ -17,10 +17,23 @@ Parameters, with OpenAI's names and defaults:
   strings), stream, stream_options.include_usage (a usage chunk at the end) and
   .continuous_usage_stats (vLLM's: usage so far in every chunk), user, and vLLM's ignore_eos (an
   EOS id does not end the request) and min_tokens (no EOS id is sampled before that many tokens:
-  the engine masks them on the device). Chat messages' content is a string or OpenAI's list of
-  text parts (joined a line apart, as vLLM does; an image part is a 400). Any other field is refused with a 400 that
-  names it; presence_penalty, frequency_penalty, logit_bias, suffix, best_of, response_format,
-  tools and tool_choice are refused unless they ask for nothing (`check_supported`).
+  the engine masks them on the device), OpenAI's logit_bias (up to 300 token ids, each -100 to 100,
+  added to its logit), presence_penalty and frequency_penalty (-2 to 2, over the tokens generated
+  so far) and response_format ({"type": "json_object"}: any JSON object; {"type": "json_schema",
+  "json_schema": {"schema": ...}}: JSON valid against the schema, through xgrammar,
+  `grammar.py`; a schema it cannot compile is a 400 naming the part), all applied on the device
+  inside the step. Chat messages' content is a string or OpenAI's list of text parts (joined a
+  line apart, as vLLM does; an image part is a 400). Any other field is refused with a 400 that
+  names it; suffix and best_of other than n are refused unless they ask for nothing
+  (`check_supported`).
+- Chat's tools and tool_choice ("none", "auto", the default with tools, "required", or
+  {"type": "function", "function": {"name": ...}}): the template renders the tools (a template that
+  never reads `tools` is a 400), and an answer in Llama 3.1's JSON tool-call format, {"name": ...,
+  "parameters": {...}}, comes back as OpenAI's `tool_calls` (arguments as a JSON string) with
+  finish_reason "tool_calls" (`tool_calls`). With "required" or a named function the answer is
+  constrained to such a call by its grammar (`ChatBody.tool_schema`); with "auto" the model may
+  answer in text. An assistant message's tool_calls and a "tool" message's result go back
+  through the template in the next request.
 
 Log-probabilities are the model's, before temperature and top-k/top-p; a token whose bytes are not
 UTF-8 on their own (a byte token) is written `bytes:\\xc3` as OpenAI does, never U+FFFD.
@@ -38,9 +51,13 @@ The split is vLLM's and SGLang's: the request models in a protocol.py of their o
 apart. Sources: the OpenAI API reference, completions
 https://platform.openai.com/docs/api-reference/completions and chat
 https://platform.openai.com/docs/api-reference/chat; vLLM's OpenAI server (top_k),
-https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html
+https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html; Llama 3.1's JSON tool calls,
+https://www.llama.com/docs/model-cards-and-prompt-formats/llama3_1/#json-based-tool-calling
 """
 import itertools
+import json
+import secrets
+from typing import Literal
 
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field
@@ -83,9 +100,10 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # {token id as a string: -100 to 100}, at most LOGIT_BIAS_MAX
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     ignore_eos: bool = False  # vLLM's: generate on past an EOS id, to max_tokens (stop strings still stop)
     min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS id is sampled before this many tokens
 
@@ -101,11 +119,20 @@ class CompletionBody(Sampling):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: str
-    content: str | list[dict]  # a string, or OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+    content: str | list[dict] | None = None  # a string, or OpenAI's content parts: [{"type": "text", "text": ...}, ...]
+    tool_calls: list[dict] | None = None  # an assistant's: [{"id", "type": "function", "function": {"name",
+    # "arguments"}}]
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None
 
     def text(self):
         """The content as text: the text parts joined in order, a line apart (as vLLM joins them);
         400 for any other part (an image: this model reads text only)."""
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise api_error(400, f"a {self.role!r} message without content: only an assistant's tool_calls may "
+                                 f"leave it out", param="messages")
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -117,19 +144,96 @@ class Message(BaseModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
+    def for_template(self):
+        """The message as a chat template reads it: its text, and an assistant's tool calls with their
+        arguments as objects (OpenAI sends a JSON string; templates write them with tojson, as vLLM
+        passes them)."""
+        out = dict(role=self.role, content=self.text())
+        if self.tool_calls:
+            try:
+                out["tool_calls"] = [dict(c, function=c["function"] | dict(arguments=json.loads(c["function"]["arguments"])))
+                                     for c in self.tool_calls]
+            except (KeyError, TypeError, ValueError):
+                raise api_error(400, "each of tool_calls must be {'id', 'type': 'function', 'function': {'name', "
+                                     "'arguments': a JSON string}}", param="messages") from None
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict = {"type": "object", "properties": {}}  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatBody(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None  # chat's newer name for max_tokens; wins if given
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+
+    def tool_schema(self):
+        """The JSON schema of the tool call this request must make (Llama 3.1's format: {"name":
+        the function's, "parameters": its arguments}), or None when the model may answer in text
+        (no tools, "none", "auto"); 400 for a choice no tool matches."""
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise api_error(400, f"tool_choice={choice!r} needs tools; send tools or leave tool_choice out",
+                            param="tool_choice")
+        if choice in (None, "none", "auto"):
+            return None
+        names = {t.function.name: t for t in self.tools or []}
+        if choice != "required" and choice.function.name not in names:
+            raise api_error(400, f"tool_choice names the function {choice.function.name!r}, which is not one of "
+                                 f"tools: {sorted(names)}", param="tool_choice")
+        calls = [{"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
+                  "properties": {"name": {"const": t.function.name}, "parameters": t.function.parameters}}
+                 for t in (names.values() if choice == "required" else [names[choice.function.name]])]
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+    def tools_on(self):
+        """Whether an answer may be a tool call (tools, and a tool_choice other than "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
-UNSUPPORTED = dict(presence_penalty=0.0, frequency_penalty=0.0, logit_bias=(None, {}), suffix=(None, ""),
-                   response_format=(None, {"type": "text"}), tools=(None, []), tool_choice=(None, "none"))
+UNSUPPORTED = dict(suffix=(None, ""))
+
+
+def tool_calls(text, tools):
+    """OpenAI's tool_calls of an answer in Llama 3.1's JSON tool-call format ({"name": a function of
+    `tools`, "parameters": {...}}, "arguments" accepted too, after an optional <|python_tag|>), or
+    None if the answer is not one (text)."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    names = {t.function.name for t in tools}
+    arguments = isinstance(call, dict) and call.get("parameters", call.get("arguments"))
+    if not isinstance(arguments, dict) or call.get("name") not in names:
+        return None
+    return [dict(id=f"chatcmpl-tool-{secrets.token_hex(8)}", type="function",
+                 function=dict(name=call["name"], arguments=json.dumps(arguments)))]
 
 
 def check_supported(body):
@@ -154,6 +258,17 @@ def check_supported(body):
                              f"most max_tokens", param="min_tokens")
 
 
+def logit_bias_ids(body):
+    """logit_bias with int keys (JSON's keys are strings); 400 for a key that is not a token id.
+    The engine checks the ids' range, the values and the count (`engine.check_logit_bias`)."""
+    try:
+        return {int(k): v for k, v in (body.logit_bias or {}).items()}
+    except ValueError:
+        bad = next(k for k in body.logit_bias if not k.strip().lstrip("-").isdigit())
+        raise api_error(400, f"logit_bias key {bad!r} is not a token id; its keys are token ids, e.g. "
+                             f"{{\"1234\": -100}}", param="logit_bias") from None
+
+
 def requested_logprobs(body):
     """The alternatives per token that a request's log-probabilities list (None: no log-probabilities);
     400 for chat's top_logprobs without logprobs."""
@@ -174,13 +289,20 @@ def encode(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 
 
-def chat_prompt(tokenizer, messages):
+def chat_prompt(tokenizer, messages, tools=None):
     """The prompt of a chat: the tokenizer's template, else one "role: content" line per message.
-    A template that fails is the request's fault: a 400 naming the template's message."""
-    if not getattr(tokenizer, "chat_template", None):
+    A template that fails is the request's fault: a 400 naming the template's message. tools
+    (OpenAI's, as dicts): rendered by the template, which must read them (Llama 3.1's does); a
+    400 if it does not."""
+    template = getattr(tokenizer, "chat_template", None)
+    if tools and "tools" not in (template or ""):
+        raise api_error(400, "this model's chat template does not render tools (it never reads `tools`); serve a "
+                             "model whose tokenizer's template does, such as Llama 3.1's, or leave tools out",
+                        param="tools")
+    if not template:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except jinja2.TemplateError as e:
         raise api_error(400, f"the model's chat template rejected these messages: {e}", param="messages") from None
 

@@ -43,7 +43,8 @@ from .attention import NO_KEY, RaggedBatch, flat_attention, kernel_attention, us
 from .kv_pages import pages_for
 from .metrics import kernel_head_dim
 from .mesh import make_mesh
-from .sampling import logprobs_of, sample_rows
+from .sampling import adjusted, logprobs_of, sample_rows
+from .scheduler import LOGIT_BIAS_MAX
 from .sharding import Constraint, to_sharded
 
 
@@ -279,24 +280,44 @@ GREEDY_ROWS = 16  # the fewest sampler rows whose steps have an argmax variant (
 KERNEL_ARGS = RaggedBatch._fields[:4]  # int32 on the device: the kernel's JAX side takes int32
 
 
-def step_program(model, views, pages, pin, last, ints, floats, layout, greedy=False, eos=()):
+def step_program(model, views, pages, pin, last, counts, bias, ints, floats, bitmask, layout, greedy=False, eos=()):
     """One ragged step (`Llama.ragged`): the tokens of every request it runs on one flat axis.
 
     ints, floats: the step's inputs, each packed in one tensor (`packed`; layout: their names and
     shapes). Per token (T,): tokens, the host's input tokens; from_last, the slot whose newest
     token, `last[slot]` on the device, is the input instead (-1: the host's token); targets, the
-    next prompt token at each position, for the prompt's log-probabilities (absent: not asked).
-    Per sequence (S,): logits_at (its last token on the flat axis), write_to (its slot, or the
-    spare last row of `last` when it samples nothing: a prompt chunk before its last), seed, top_k,
-    no_eos (1: the `eos` ids may not be sampled, a request short of its min_tokens), temperature,
-    top_p. Then the fields of `attention.RaggedBatch`. greedy: every sequence that samples is greedy
-    and none asks for log-probabilities, so the program is an argmax (a variant of its own: no top-k
-    over the vocabulary, no log-softmax). eos: the model's EOS ids (a constant of the program).
-    Returns (a sampled token per sequence (S,), their `logprobs_of` (of the logits before the EOS
-    mask) or None if greedy, the prompt's `logprobs_of` (T, ...) or None, last, pages)."""
+    next prompt token at each position, for the prompt's log-probabilities (absent: not asked);
+    generated, 1 for a token its request generated (counted for the penalties). Per sequence (S,):
+    logits_at (its last token on the flat axis), slot (its request's, or the spare last row for
+    padding), fresh (1: its request was admitted this step), write_to (its slot, or the spare row
+    when it samples nothing: a prompt chunk before its last), seed, top_k, no_eos (1: the `eos`
+    ids may not be sampled, a request short of its min_tokens), temperature, top_p, presence and
+    frequency (penalties). Per logit_bias entry written this step (LOGIT_BIAS_MAX, padded with
+    zeros at the spare row): bias_rows, bias_ids, bias_values. Then the fields of
+    `attention.RaggedBatch`.
+
+    State per slot, (slots + 1, vocab_size) each, updated here and returned: counts (int32, the
+    times its request generated each token: a fresh request's row is zeroed, then every generated
+    input token is added; the token sampled here is counted when it runs as an input), bias
+    (fp32, its request's logit_bias: zeroed for a fresh request, then the entries written).
+    bitmask (slots + 1, ceil(vocab_size / 32)) int32: each slot's grammar's allowed tokens for this
+    step (`sampling.allowed_by`; -1, every token, for the others). A sequence samples from
+    `sampling.adjusted` logits of its `write_to` row. greedy: every sequence that samples is greedy
+    and none asks for log-probabilities, so the program is an argmax (a variant of its own: no
+    top-k over the vocabulary, no log-softmax). eos: the model's EOS ids (a constant of the
+    program).
+
+    Returns (a sampled token per sequence (S,), their `logprobs_of` (of the model's logits, before
+    any adjustment or mask) or None if greedy, the prompt's `logprobs_of` (T, ...) or None, last,
+    counts, bias, pages)."""
     x = unpacked(ints, layout[0]) | unpacked(floats, layout[1])
     batch = RaggedBatch(*(x[k].int() if k in KERNEL_ARGS and k in x else x.get(k) for k in RaggedBatch._fields))
     tokens = torch.where(x["from_last"] >= 0, last[x["from_last"].clamp(min=0)], x["tokens"])  # (T,)
+    rows, keep = x["slot"], 1 - x["fresh"][:, None]  # (S,), (S, 1)
+    counts = counts.index_put((rows,), counts[rows] * keep.to(counts.dtype))  # (slots + 1, vocab_size)
+    counts = counts.index_put((rows[x["token_seq"]], tokens), x["generated"].to(counts.dtype), accumulate=True)
+    bias = bias.index_put((rows,), bias[rows] * keep)  # (slots + 1, vocab_size)
+    bias = bias.index_put((x["bias_rows"], x["bias_ids"]), x["bias_values"])
     for view, p in zip(views, pages):
         view.pages, view.batch = p, batch
     targets, logits_at = x.get("targets"), x["logits_at"]
@@ -304,11 +325,12 @@ def step_program(model, views, pages, pin, last, ints, floats, layout, greedy=Fa
     prompt = None if targets is None else tuple(map(pin, logprobs_of(logits, targets)))
     logits = logits if targets is None else logits[logits_at]  # (S, vocab_size)
     pos = batch.positions[logits_at]  # (S,) the position each samples from
-    masked = logits
+    row = x["write_to"]
+    masked = adjusted(logits, bias[row], counts[row], x["presence"], x["frequency"], bitmask[row])  # (S, vocab_size)
     if eos:
         is_eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         is_eos[list(eos)] = True  # (vocab_size,)
-        masked = logits.masked_fill((x["no_eos"][:, None] > 0) & is_eos, float("-inf"))  # (S, vocab_size)
+        masked = masked.masked_fill((x["no_eos"][:, None] > 0) & is_eos, float("-inf"))
     if greedy:
         nxt, lp = masked.argmax(dim=-1), None  # (S,): what sample_rows gives at temperature 0
     else:
@@ -318,7 +340,7 @@ def step_program(model, views, pages, pin, last, ints, floats, layout, greedy=Fa
     pages = [v.pages for v in views]
     for view in views:  # left set, each would be one more output the compiled call rebuilds every step
         view.pages = view.batch = None
-    return pin(nxt), lp, prompt, pin(last), pages
+    return pin(nxt), lp, prompt, pin(last), pin(counts), pin(bias), pages
 
 
 def growing(first, last, factor):
@@ -376,6 +398,11 @@ class ModelRunner:
         self.pages = [to_sharded(lambda index: torch.zeros([s.stop - s.start for s in index], dtype=dtype),
                                  self.mesh, spec, shape) for _ in self.model.layers]
         self.last = self.put(torch.zeros(slots + 1, dtype=torch.long))  # each slot's newest token; a spare row
+        # Each slot's counts of its request's generated tokens and its logit_bias (`step_program`), and on the host the
+        # grammar bitmask of a step with no grammar: every bit set
+        self.counts = self.put(torch.zeros(slots + 1, args.vocab_size, dtype=torch.int32))
+        self.bias = self.put(torch.zeros(slots + 1, args.vocab_size))
+        self.any_token = torch.full((slots + 1, -(-args.vocab_size // 32)), -1, dtype=torch.int32)
         self.whole = pages_for(args.max_seq_len, page_size)  # a whole context's block table
         self.page_buckets = (self.whole,) if self.kernel else growing(8, num_pages - 1, 4)  # the pool bounds the flat keys
         self.compile, self.eos = compile, tuple(eos)  # eos: the ids min_tokens masks
@@ -428,7 +455,7 @@ class ModelRunner:
         seqs = min(t, self.slots)
         runs = [(r.pages, start, n) for r, start, n, _ in entries]
         layout = ragged_layout(runs, self.page_size, t, seqs, self.whole, None if self.kernel else p, c or None)
-        tokens, from_last, targets = [0] * t, [-1] * t, [0] * t
+        tokens, from_last, targets, generated = [0] * t, [-1] * t, [0] * t, [0] * t
         for (req, start, n, _), first in zip(entries, layout["cu_q_lens"]):
             known = req.known_tokens(start, start + n)
             for i, pos in enumerate(range(start, start + n), first):
@@ -438,18 +465,40 @@ class ModelRunner:
                     from_last[i] = req.slot
                 if pos + 1 < len(req.prompt):
                     targets[i] = req.prompt[pos + 1]
+                generated[i] = int(pos >= len(req.prompt))
         s = seqs - len(entries)  # the sequences past the plan's: nothing
-        ints = dict(tokens=tokens, from_last=from_last, targets=targets if echo else None,
+        fresh = [int(start == r.cached_tokens) for r, start, _, _ in entries]  # admitted this step (`Scheduler.admit`)
+        writes = [(r.slot, i, v) for (r, *_), new in zip(entries, fresh) if new for i, v in r.logit_bias.items()]
+        if len(writes) > LOGIT_BIAS_MAX:  # the scheduler admits no more
+            raise ValueError(f"{len(writes)} logit_bias entries in one step, more than LOGIT_BIAS_MAX={LOGIT_BIAS_MAX}")
+        writes += [(self.slots, 0, 0.0)] * (LOGIT_BIAS_MAX - len(writes))
+        ints = dict(tokens=tokens, from_last=from_last, targets=targets if echo else None, generated=generated,
                     logits_at=[end - 1 for end in layout["cu_q_lens"][1:len(entries) + 1]] + [0] * s,
+                    slot=[r.slot for r, *_ in entries] + [self.slots] * s, fresh=fresh + [0] * s,
                     write_to=[r.slot if samples else self.slots for r, _, _, samples in entries] + [self.slots] * s,
                     seed=[r.seed for r, *_ in entries] + [0] * s, top_k=[r.top_k for r, *_ in entries] + [0] * s,
                     no_eos=[int(start + n - len(r.prompt) < r.min_tokens) for r, start, n, _ in entries] + [0] * s,
-                    **layout)
+                    bias_rows=[w[0] for w in writes], bias_ids=[w[1] for w in writes], **layout)
         floats = dict(temperature=[r.temperature for r, *_ in entries] + [0.0] * s,
-                      top_p=[r.top_p for r, *_ in entries] + [1.0] * s)
+                      top_p=[r.top_p for r, *_ in entries] + [1.0] * s,
+                      presence=[r.presence_penalty for r, *_ in entries] + [0.0] * s,
+                      frequency=[r.frequency_penalty for r, *_ in entries] + [0.0] * s,
+                      bias_values=[w[2] for w in writes])
         (ints, int_layout), (floats, float_layout) = packed(ints, self.put, torch.long), \
             packed(floats, self.put, torch.float32)
-        return ints, floats, (int_layout, float_layout)
+        return ints, floats, self.put(self.bitmask(entries)), (int_layout, float_layout)
+
+    def bitmask(self, entries):
+        """The step's grammar bitmask on the host: each sampling request's grammar fills its slot's
+        row (xgrammar's `fill_next_token_bitmask`: its matcher has every token so far, the engine
+        reads them first), every other bit is set. Put afresh every step (`put_replicated`)."""
+        constrained = [r for r, _, _, samples in entries if samples and r.grammar is not None]
+        if not constrained:
+            return self.any_token
+        mask = self.any_token.clone()
+        for r in constrained:
+            r.grammar.fill_next_token_bitmask(mask, r.slot)
+        return mask
 
     def step(self, entries, echo=False, shape=None, greedy=None):
         """Launch one step for the plan's entries; returns its device outputs (a token per sequence
@@ -460,21 +509,22 @@ class ModelRunner:
         if greedy is None:  # every entry that samples at temperature 0 and without log-probabilities
             greedy = not echo and self.greedy_at(shape[0]) and all(
                 r.temperature == 0 and r.logprobs is None for r, _, _, samples in entries if samples)
-        if self.compile:  # XLA may write the new pages and tokens into these buffers: updated in place
-            for t in self.pages + [self.last]:
+        state = [self.last, self.counts, self.bias]
+        if self.compile:  # XLA may write the new pages, tokens, counts and biases into these buffers: in place
+            for t in self.pages + state:
                 torch.ops.xla.dynamo_set_buffer_donor_(t, True)
         try:
-            *out, last, pages = self.program(self.model, self.views, self.pages, self.pin, self.last,
-                                             *self.inputs(entries, echo, *shape), greedy, self.eos)
+            *out, last, counts, bias, pages = self.program(self.model, self.views, self.pages, self.pin, *state,
+                                                           *self.inputs(entries, echo, *shape), greedy, self.eos)
         finally:
             for view in self.views:
                 view.pages = view.batch = None  # a reference alive at the sync would be one more output
         if self.compile:  # the outputs live in the donated inputs' buffers
-            self.pages, self.last = pages, last
+            self.pages, self.last, self.counts, self.bias = pages, last, counts, bias
         else:  # lazy: rebinds the pending graph to the tensors passed in, which the sync updates in place
-            for old, new in zip(self.pages + [self.last], pages + [last]):
+            for old, new in zip(self.pages + state, pages + [last, counts, bias]):
                 old.copy_(new)
-            del pages, last, new
+            del pages, last, counts, bias, new
             torch_xla.sync()
         return out
 

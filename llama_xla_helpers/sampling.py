@@ -1,6 +1,8 @@
 """Sampling on the device: a next token per row, each row with its own temperature, top-k, top-p
 and seed, and the log-probabilities a request asks for. `Generator` and the engine's runner both
-call these inside their compiled programs.
+call these inside their compiled programs; the runner first applies what else a request asks of
+its logits (`adjusted`: OpenAI's logit_bias, presence and frequency penalties, a grammar's token
+bitmask).
 
 The noise is a hash of (seed, position), not a random generator's state, so a request samples
 the same tokens whatever shares its batch. Sampling first keeps the SAMPLE_TOP_K most likely
@@ -42,6 +44,26 @@ def sample_rows(logits, temperature, top_p, seed, pos, top_k=None):
     pick = (probs / -uniform(seed, pos, k).log()).argmax(dim=-1)  # (B,)
     sampled = order.gather(-1, pick[:, None])[:, 0]
     return torch.where(temperature > 0, sampled, greedy)
+
+
+def allowed_by(bitmask, vocab_size):
+    """(B, vocab_size) bool from a token bitmask (B, ceil(vocab_size / 32)) int32 in xgrammar's
+    layout: bit j of word i (1 << j) allows token 32 i + j (-1, every bit set: every token).
+    bitwise_right_shift, not `>>`: on the XLA device torch_xla 2.9's `>>` gives -1 >> 1 == 0 (measured)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return torch.bitwise_right_shift(bitmask[:, :, None], bits).bitwise_and(1).flatten(1)[:, :vocab_size].bool()
+
+
+def adjusted(logits, bias, counts, presence, frequency, bitmask):
+    """logits (B, vocab_size) as the rest of a request's sampling settings change them: plus its
+    logit_bias (bias (B, vocab_size)), minus frequency x count and minus presence where the count
+    is above 0 (OpenAI's penalties; presence, frequency (B,), counts (B, vocab_size): the times each
+    token was generated so far), and -inf for the tokens its grammar does not allow (bitmask,
+    `allowed_by`). Computed in fp32 and returned in the logits' dtype (with no bias, penalty or
+    grammar: the logits unchanged)."""
+    counts = counts.float()
+    out = logits.float() + bias - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+    return out.masked_fill(~allowed_by(bitmask, logits.shape[-1]), float("-inf")).to(logits.dtype)
 
 
 def logprobs_of(logits, tokens):

@@ -28,7 +28,13 @@ usually reuses most of them. Nothing is admitted in a step that preempted.
 
 Prefix caching: a waiting request looks up its known tokens' full pages (`kv_pages.page_hashes`)
 and starts at the end of the longest cached chain (never at its last token, whose logits it
-needs). As a request's tokens become known and computed, its full pages are registered.
+needs). As a request's tokens become known and computed, its full pages are registered. A request
+with presence or frequency penalties reuses no generated token's page: the runner counts its
+tokens as they go through the model, so after a preemption they run again.
+
+The step in which a request is admitted writes its logit_bias into its slot's row on the device
+(`runner.step_program`), at most LOGIT_BIAS_MAX entries a step: a request whose entries would pass
+that waits for the next step (one request alone always fits).
 
 A slot is a row of the step's small per-request state (the newest token, sampling settings), not
 a context: `slots` bounds how many requests are in flight; the pool's pages bound their tokens.
@@ -42,6 +48,8 @@ import collections
 import dataclasses
 
 from .kv_pages import page_hashes, pages_for
+
+LOGIT_BIAS_MAX = 300  # logit_bias entries a request may set (OpenAI's limit), and all a step writes
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,6 +67,10 @@ class Request:
     prompt_logprobs: bool = False
     ignore_eos: bool = False  # an EOS id does not end it
     min_tokens: int = 0  # no EOS id is sampled before this many tokens (masked on the device)
+    logit_bias: dict = dataclasses.field(default_factory=dict)  # {token id: added to its logit}, at most LOGIT_BIAS_MAX
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: object = None  # an xgrammar GrammarMatcher its tokens must follow (`grammar.py`), or None
     token_logprobs: list = dataclasses.field(default_factory=list)  # per token: (logprob, [(id, logprob), ...])
     prompt_token_logprobs: list = dataclasses.field(default_factory=list)  # the same, prompt tokens 1, 2, ...
     tokens: list = dataclasses.field(default_factory=list)  # generated so far (an EOS is kept)
@@ -98,6 +110,10 @@ class Request:
     @property
     def length(self):  # its positions: the prompt and every token asked for
         return len(self.prompt) + self.dispatched
+
+    @property
+    def penalized(self):  # its generated tokens are counted as they go through the model (`runner.step_program`)
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclasses.dataclass
@@ -180,8 +196,11 @@ class Scheduler:
                 n = 0 if victim is req else n
             if n:
                 entries.append(self.take(req, n))
-        while self.waiting and not preempted and self.left and None in self.running and self.admit(self.waiting[0]):
+        bias_left = LOGIT_BIAS_MAX  # the logit_bias entries the step writes, for the requests it admits
+        while self.waiting and not preempted and self.left and None in self.running and \
+                len(self.waiting[0].logit_bias) <= bias_left and self.admit(self.waiting[0]):
             req = self.waiting.popleft()
+            bias_left -= len(req.logit_bias)
             entries.append(self.take(req, min(req.length - req.computed, self.left)))
         for req, _, _, samples in entries:
             req.dispatched += samples
@@ -204,8 +223,10 @@ class Scheduler:
         ps = self.pool.page_size
         req.dispatched = len(req.tokens)  # after a preemption: every token it made is known again
         req.hashes = page_hashes(req.known, ps, req.hashes)
-        # never its last token (its logits are needed), nor for the prompt's log-probabilities (never computed)
-        hit = self.pool.lookup(req.hashes[:(req.length - 1) // ps]) if self.prefix_caching and not req.prompt_logprobs else []
+        # never its last token (its logits are needed), nor for the prompt's log-probabilities (never computed), nor,
+        # for a request with penalties, past its prompt (its generated tokens are counted as they run again)
+        last = min(req.length - 1, len(req.prompt)) if req.penalized else req.length - 1
+        hit = self.pool.lookup(req.hashes[:last // ps]) if self.prefix_caching and not req.prompt_logprobs else []
         self.pool.hold(hit)
         req.pages, req.computed = list(hit), len(hit) * ps
         if not self.grow(req, req.computed + min(req.length - req.computed, self.left)):

@@ -3,6 +3,7 @@
 after warm-up (and a compile raises), bad requests fail alone, the queue is bounded, requests
 finish on EOS / stop strings / max_tokens or cancel, the pages are written in place."""
 import functools
+import json
 import re
 import threading
 
@@ -227,6 +228,115 @@ def test_min_tokens_masks_the_eos_ids_on_the_device_and_ignore_eos_runs_past_the
     assert masked_q.tokens[0] == by_hand(q) and eng.compiles_since_warmup == 0
     with pytest.raises(ValueError, match=r"min_tokens=12 must be an int in \[0, max_tokens=11\]"):
         eng.submit(p, 11, min_tokens=12)
+
+
+def by_hand(prompt, n, bias=None, presence=0.0, frequency=0.0):
+    """n greedy tokens after prompt from Hugging Face's logits, changed as OpenAI's logit_bias and
+    penalties say: plus the bias, minus frequency x count and presence where the count is above 0,
+    the counts over the tokens generated so far."""
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf()(torch.tensor([prompt + out])).logits[0, -1].double()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).double()
+        logits = logits - frequency * counts - presence * (counts > 0).double()
+        for token, b in (bias or {}).items():
+            logits[token] += b
+        top2 = logits.topk(2).values
+        assert top2[0] - top2[1] > 1e-3, "a near tie: the test proves nothing"
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_logit_bias_and_penalties_equal_a_by_hand_reference_after_preemptions_too():
+    """Greedy requests with penalties or a logit_bias (banning the tokens a plain run writes, or
+    forcing one) get the tokens of `by_hand`, beside plain ones that get theirs, in a pool short
+    enough that the engine preempts (the penalized requests, admitted last, among them: their counts
+    are rebuilt as their tokens run again). Afterwards the same slots serve plain requests with
+    their plain tokens: a new request's counts and bias start from zero. Nothing compiles."""
+    eng, ps, want = engine(pages=7), prompts(), expected()
+    plain = [eng.submit(p, 10 + i) for i, p in enumerate(ps[1:3], start=1)]
+    chosen = [ps[i] for i in (1, 3, 6)]  # not ps[2]: a near tie of its 12 penalized tokens
+    penalized = [eng.submit(p, 12, presence_penalty=0.3, frequency_penalty=1.1) for p in chosen]
+    banned = {t: -100 for t in want[4]}
+    biased = [eng.submit(ps[4], 12, logit_bias=banned), eng.submit(ps[5], 6, logit_bias={7: 100})]
+    run(eng, plain + penalized + biased)
+    assert any(r.preemptions for r in penalized) and eng.compiles_since_warmup == 0
+    assert [r.tokens for r in plain] == list(want[1:3])
+    hand = [by_hand(p, 12, presence=0.3, frequency=1.1) for p in chosen]
+    assert [r.tokens for r in penalized] == hand and hand != [want[i][:12] for i in (1, 3, 6)]
+    assert biased[0].tokens == by_hand(ps[4], 12, banned) and not set(biased[0].tokens) & set(banned)
+    assert biased[1].tokens == [7] * 6
+    again = run(eng, [eng.submit(p, 10 + i) for i, p in enumerate(ps[:4])])
+    assert [r.tokens for r in again] == list(want[:4]) and eng.compiles_since_warmup == 0
+
+
+def test_a_step_writes_at_most_300_logit_bias_entries_and_bad_values_are_named():
+    """Two requests of 200 entries each (the vocabulary's 264 ids hold no 300): the second is admitted
+    a step after the first (the step's budget of 300 bias writes), and both get their by-hand tokens.
+    Out-of-range values are refused."""
+    eng, ps = engine(), prompts()
+    bias = [{t: (-1) ** t * 5.0 for t in range(k, k + 200)} for k in (0, 64)]
+    reqs = run(eng, [eng.submit(p, 4, logit_bias=b) for p, b in zip(ps[:2], bias)])
+    first = [min(k for k, step in enumerate(eng.timeline) if r.id in step) for r in reqs]
+    assert first[1] == first[0] + 1
+    assert [r.tokens for r in reqs] == [by_hand(p, 4, b) for p, b in zip(ps[:2], bias)]
+    for kwargs, message in ((dict(logit_bias={t: 1 for t in range(301)}), "logit_bias=<301 entries> holds more"),
+                            (dict(logit_bias={999: 1}), r"logit_bias=\{999: 1\} must map token ids in \[0, 264\)"),
+                            (dict(logit_bias={3: 101}), "to numbers in \\[-100, 100\\]"),
+                            (dict(presence_penalty=2.5), r"presence_penalty=2.5 must be a number in \[-2, 2\]")):
+        with pytest.raises(ValueError, match=message):
+            eng.submit(ps[0], 4, **kwargs)
+
+
+SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["colour", "ok", "n"], "additionalProperties": False}
+
+
+def test_a_grammar_constrains_every_token_greedy_or_sampled_and_ends_the_request():
+    """A JSON schema over the byte tokenizer (`grammar.Grammars`): a greedy answer is the by-hand
+    loop's (at each step the argmax of Hugging Face's logits among the tokens the grammar allows,
+    `sampling.allowed_by` of the matcher's bitmask) and ends on EOS once complete ("stop"); sampled
+    ones parse and validate too; max_tokens cuts one ("length"); a plain request beside them gets
+    its tokens (the engine reads every step before the next while a grammar runs), and one
+    cancelled mid-answer ends alone. Nothing compiles."""
+    import jsonschema
+
+    from llama_xla_helpers.grammar import Grammars, matcher
+    from llama_xla_helpers.sampling import allowed_by
+    from llama_xla_helpers.tokenizer import ByteTokenizer
+    tok, eng, ps = ByteTokenizer(), engine(eos_id=ByteTokenizer.eos_id), prompts()
+    vocab = eng.vocab_size
+    compiled = Grammars(tok, vocab, eng.eos_ids).json_schema(SCHEMA)
+    greedy, cut, plain = eng.submit(ps[0], 60, grammar=compiled), eng.submit(ps[1], 3, grammar=compiled), \
+        eng.submit(ps[2], 12)
+    sampled = [eng.submit(p, 60, temperature=1.0, seed=i, grammar=compiled) for i, p in enumerate(ps[3:6])]
+    cancelled = eng.submit(ps[6], 60, grammar=compiled)
+    while len(cancelled.tokens) < 3:
+        eng.step()
+    eng.cancel(cancelled)
+    run(eng, [greedy, cut, plain, *sampled, cancelled])
+    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.tokens) < 20
+    state, out, mask = matcher(compiled), [], torch.full((1, -(-vocab // 32)), -1, dtype=torch.int32)
+    while not state.is_terminated():
+        with torch.no_grad():
+            logits = hf()(torch.tensor([ps[0] + out])).logits[0, -1]
+        state.fill_next_token_bitmask(mask, 0)
+        logits = logits.masked_fill(~allowed_by(mask, vocab)[0], float("-inf"))
+        assert logits.topk(2).values.diff().abs() > 1e-3 or logits.isfinite().sum() == 1, "a near tie"
+        out.append(int(logits.argmax()))
+        assert state.accept_token(out[-1])
+    assert greedy.tokens == out and out[-1] == tok.eos_id and greedy.finish_reason == "stop"
+    for r in [greedy, *sampled]:
+        assert r.finish_reason == "stop", tok.decode(r.tokens)
+        jsonschema.validate(json.loads(tok.decode(r.tokens)), SCHEMA)
+    assert (len(cut.tokens), cut.finish_reason) == (3, "length") and tok.decode(cut.tokens).startswith('{"')
+    want = expected()[2]
+    assert plain.tokens == want[:want.index(tok.eos_id) + 1 if tok.eos_id in want else None]  # EOS ends it
+    assert eng.compiles_since_warmup == 0
+    with pytest.raises(ValueError, match="min_tokens=2 with a grammar"):
+        eng.submit(ps[0], 8, min_tokens=2, grammar=compiled)
 
 
 def test_cancel_frees_the_slot():

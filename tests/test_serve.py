@@ -15,6 +15,7 @@ Tests run in file order: the last one of each process stops it.
 import functools
 import http.client
 import json
+import random
 import re
 import shutil
 import signal
@@ -38,6 +39,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from llama_xla_helpers import api, checkpoint, protocol, serve
 from llama_xla_helpers.configs import get_config
 from llama_xla_helpers.data import ByteTokenizer
+from llama_xla_helpers.detokenize import token_key
 from llama_xla_helpers.engine import Engine
 from llama_xla_helpers.generate import Generator, llama3_chat
 from llama_xla_helpers.mesh import make_mesh, mesh_shape
@@ -313,9 +315,12 @@ BAD = [
     (dict(prompt=[]), 400, "prompt is empty"),
     (dict(prompt=[[1, 2], []]), 400, "a prompt is empty"),
     (dict(prompt=[1, "a"]), 400, "prompt."),
-    (dict(logit_bias={"50": 10}), 400, "logit_bias={'50': 10} is not supported by this server"),
+    (dict(logit_bias={"50": 101}), 400, "logit_bias={50: 101.0} must map token ids in [0, 264) to numbers in [-100"),
+    (dict(logit_bias={"x": 1}), 400, "logit_bias key 'x' is not a token id"),
     (dict(suffix="end"), 400, "suffix='end' is not supported by this server"),
-    (dict(presence_penalty=0.5), 400, "presence_penalty=0.5 is not supported by this server"),
+    (dict(presence_penalty=2.5), 400, "presence_penalty: Input should be less than or equal to 2"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}), 400,
+     "response_format.json_schema.schema: xgrammar cannot compile this JSON schema: Unsupported type"),
     (dict(best_of=3), 400, "best_of=3 is not supported"),
     (dict(temprature=0.5), 400, "temprature: Extra inputs are not permitted"),
     (dict(model="gpt-4"), 404, "the model 'gpt-4' does not exist; this server serves 'tiny-llama'"),
@@ -430,8 +435,8 @@ def test_bad_chat_and_routes(server):
     chat, hi = "/v1/chat/completions", [{"role": "user", "content": "hi"}]
     assert post(server.url, chat, dict(messages=[]))[0] == 400
     assert post(server.url, chat, dict(messages=[{"role": "user"}]))[0] == 400
-    status, out = post(server.url, chat, dict(messages=[{**hi[0], "name": "x"}]))
-    assert status == 400 and out["error"]["message"] == "messages.0.name: Extra inputs are not permitted", out
+    status, out = post(server.url, chat, dict(messages=[{**hi[0], "weight": 2}]))
+    assert status == 400 and out["error"]["message"] == "messages.0.weight: Extra inputs are not permitted", out
     status, out = post(server.url, chat, dict(messages=hi, tool_choice="auto"))
     assert status == 400 and out["error"]["param"] == "tool_choice", out
     status, out = post(server.url, chat, dict(messages=hi, max_completion_tokens=0))
@@ -475,7 +480,7 @@ def test_unsupported_parameters_with_their_no_op_values_are_accepted(server, exp
     status, out = post(server.url, "/v1/completions", dict(prompt=LONG, max_tokens=5, temperature=0, **noops))
     assert status == 200 and out["choices"][0]["text"] == expected(LONG, 5)[0], out
     noops = dict(tools=[], tool_choice="none", response_format={"type": "text"}, logprobs=False,
-                 max_completion_tokens=3)
+                 max_completion_tokens=3, logit_bias={}, presence_penalty=0)
     status, out = post(server.url, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], **noops))
     assert status == 200 and out["usage"]["completion_tokens"] == 3, out
 
@@ -508,6 +513,89 @@ def test_n_choices_seeds_streams_and_defaults(server, expected):
     stop = ["a stop string that never comes", text[cut]]
     out = post(url, "/v1/completions", dict(prompt=LONG, max_tokens=30, temperature=0, stop=stop))[1]
     assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == (text[:cut], "stop"), out
+
+
+def json_schemas(n, seed=0):
+    """n JSON schemas of objects: nested objects, arrays, enums, integers and numbers in ranges,
+    booleans and strings of a pattern, required and optional fields (bounded, so that a random
+    model's answer ends within 96 bytes: a string without a pattern could run to max_tokens)."""
+    rng = random.Random(seed)
+
+    def value(depth):
+        kinds = ["integer", "number", "boolean", "enum", "string"] + ["array", "object"] * (depth < 1)
+        kind = rng.choice(kinds)
+        if kind in ("integer", "number"):
+            return {"type": kind, "minimum": rng.randint(-50, 0), "maximum": rng.randint(1, 999)}
+        if kind == "enum":
+            return {"enum": rng.sample(["red", "green", "blue", "yes", 3, None], rng.randint(1, 4))}
+        if kind == "string":
+            return {"type": "string", "pattern": f"^[a-z]{{1,{rng.randint(1, 5)}}}$"}
+        if kind == "array":
+            return {"type": "array", "items": value(depth + 1), "maxItems": rng.randint(1, 2)}
+        if kind == "object":
+            return obj(depth + 1)
+        return {"type": kind}
+
+    def obj(depth):
+        props = {f"k{i}": value(depth) for i in range(rng.randint(1, 3 - depth))}
+        return {"type": "object", "properties": props, "additionalProperties": False,
+                "required": rng.sample(sorted(props), rng.randint(depth == 0, len(props)))}
+    return [obj(0) for _ in range(n)]
+
+
+@pytest.mark.child_process
+def test_response_format_answers_parse_and_validate_greedy_or_sampled_streamed_or_not(server):
+    """20 generated schemas through the openai client, on both endpoints, greedy and sampled,
+    streamed and not: every answer ends with "stop" and validates against its schema (jsonschema);
+    json_object gives an object; max_tokens cuts one ("length"). Four at a time."""
+    import jsonschema
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+    def ask(i, schema):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        kwargs = dict(model="tiny-llama", max_tokens=96, temperature=[0, 1.0][i % 2], seed=i, stream=i % 4 >= 2)
+        if i % 8 < 4:
+            out = client.chat.completions.create(messages=[{"role": "user", "content": f"Answer {i}"}],
+                                                 response_format=fmt, **kwargs)
+            parts = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in out] if kwargs["stream"] \
+                else [(out.choices[0].message.content, out.choices[0].finish_reason)]
+        else:
+            out = client.completions.create(prompt=f"Answer {i}:", extra_body=dict(response_format=fmt), **kwargs)
+            parts = [(c.choices[0].text, c.choices[0].finish_reason) for c in out] if kwargs["stream"] \
+                else [(out.choices[0].text, out.choices[0].finish_reason)]
+        return "".join(text for text, _ in parts), parts[-1][1]
+    schemas = json_schemas(20)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(20), schemas))
+    for (text, reason), schema in zip(answers, schemas):
+        assert reason == "stop", (text, schema)
+        jsonschema.validate(json.loads(text), schema)
+    status, out = post(server.url, "/v1/completions", dict(prompt="cat", max_tokens=60, temperature=0,
+                                                           response_format={"type": "json_object"}))
+    assert status == 200 and isinstance(json.loads(out["choices"][0]["text"]), dict), out
+    fmt = {"type": "json_schema", "json_schema": {"schema": schemas[0]}}
+    status, out = post(server.url, "/v1/completions", dict(prompt="cat", max_tokens=2, response_format=fmt))
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length" and len(out["choices"][0]["text"]) <= 2
+
+
+@pytest.mark.child_process
+def test_logit_bias_and_penalties_through_the_server(server, greedy, expected):
+    """logit_bias forces a token (+100) and bans the greedy run's tokens (-100: none of them comes
+    back, by the response's logprobs tokens); penalties change a greedy text that repeats tokens
+    (their values against a by-hand reference: test_engine)."""
+    tokens = greedy(LONG, 40)
+    assert len(set(tokens)) < len(tokens), "no token repeats: the penalties would change nothing"
+    status, out = post(server.url, "/v1/completions", dict(prompt=LONG, max_tokens=6, temperature=0,
+                                                           logit_bias={str(ord("x")): 100}))
+    assert status == 200 and out["choices"][0]["text"] == "x" * 6, out
+    body = dict(prompt=LONG, max_tokens=40, temperature=0, logprobs=0, logit_bias={str(t): -100 for t in tokens})
+    status, out = post(server.url, "/v1/completions", body)
+    got = out["choices"][0]["logprobs"]["tokens"]
+    banned = {token_key(TOK, t) for t in tokens} - {""}  # BOS and EOS have no text: keys "" both
+    assert status == 200 and len(got) == 40 and not set(got) & banned, out
+    status, out = post(server.url, "/v1/completions", dict(prompt=LONG, max_tokens=40, temperature=0,
+                                                           frequency_penalty=2, presence_penalty=2))
+    assert status == 200 and out["choices"][0]["text"] != expected(LONG, 40)[0], out
 
 
 @pytest.mark.child_process
@@ -757,6 +845,101 @@ def test_a_bf16_server_serves_its_engines_tokens_close_to_fp32(tmp_path, monkeyp
     agreement = sum(a for a, _ in scores) / len(scores)
     print(f"top-1 agreement {agreement:.1%}")
     assert agreement >= 0.95 and all(dots == {"bf16"} for _, dots in scores)
+
+
+# Llama 3.1's tool format, the parts of its chat template that write it (the whole template also
+# writes a system header and builtin tools): the tools as JSON in the first user message, a call as
+# {"name": ..., "parameters": ...}, a tool's result under the ipython header.
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(first=true) %}{% for m in messages %}"
+    "{% if m.role in ('tool', 'ipython') %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% elif m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n{% for c in m.tool_calls %}"
+    "{\"name\": \"{{ c.function.name }}\", \"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if tools is not none and m.role == 'user' and ns.first %}Given the following functions, please respond with "
+    "a JSON for a function call with its proper arguments that best answers the given prompt.\n\nRespond in the "
+    "format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.Do not use "
+    "variables.\n\n{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}{% set ns.first = false %}{% endif %}"
+    "{{ m.content | trim }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a", "b"]}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    """An app in this process whose tokenizer's template writes Llama 3.1's tool format: the BPE
+    tokenizer of `tokenizer.small_tokenizer` (512 ids; the two tools' prompt is 650 tokens) over a
+    tiny model of that vocabulary."""
+    from llama_xla_helpers.tokenizer import small_tokenizer
+    tok = small_tokenizer()
+    tok.chat_template = TOOLS_TEMPLATE
+    torch.manual_seed(0)
+    model = Llama.from_hf(LlamaForCausalLM(get_config("tiny", num_hidden_layers=1, initializer_range=0.2,
+                                                      vocab_size=len(tok))), max_batch_size=2, max_seq_len=1024)
+    engine = Engine(model, slots=2, buckets=(8, 256), eos_id=tok.eos_token_id, decode=serve.decoder(tok)[0])
+    engine.warmup()
+    server = serve.start_in_thread(api.app(engine, tok, "tiny"), port=0)
+    yield server, tok, engine
+    server.stop()
+
+
+def test_a_tool_call_round_trip(tool_server):
+    """tool_choice "required" (two tools) and a named function: the answer is a call of a tool with
+    arguments valid against its parameters (jsonschema), finish_reason "tool_calls", streamed as
+    one delta that adds up to the same call; the template wrote the tools (the prompt's tokens are
+    those of the template with them). Then the call and the tool's result go back: the next
+    prompt is the template's with both, and tool_choice "none" answers in text. A template that
+    never reads tools, or a choice no tool matches, is a 400."""
+    import jsonschema
+    server, tok, engine = tool_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    user = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def prompt_tokens(messages, tools):
+        return len(tok.encode(tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False))
+    for choice, allowed in (("required", {"get_weather", "add"}), ({"type": "function", "function": {"name": "add"}},
+                                                                      {"add"})):
+        out = client.chat.completions.create(model="tiny", messages=user, tools=[WEATHER, ADD], tool_choice=choice,
+                                             max_tokens=120, temperature=0)
+        [call] = out.choices[0].message.tool_calls
+        tool = {"get_weather": WEATHER, "add": ADD}[call.function.name]
+        assert call.function.name in allowed and out.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        assert out.choices[0].message.content is None and out.usage.prompt_tokens == prompt_tokens(user, [WEATHER, ADD])
+        stream = client.chat.completions.create(model="tiny", messages=user, tools=[WEATHER, ADD], tool_choice=choice,
+                                                max_tokens=120, temperature=0, stream=True)
+        chunks = [c.choices[0] for c in stream]
+        [streamed] = [d for c in chunks for d in c.delta.tool_calls or []]
+        assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+        assert chunks[-1].finish_reason == "tool_calls" and not any(c.delta.content for c in chunks)
+
+    turn = user + [{"role": "assistant", "tool_calls": [call.model_dump(include={"id", "type", "function"})]},
+                   {"role": "tool", "tool_call_id": call.id, "content": '{"result": 7}'}]
+    out = client.chat.completions.create(model="tiny", messages=turn, tools=[WEATHER, ADD], tool_choice="none",
+                                         max_tokens=8, temperature=0)
+    rendered = [dict(m) for m in turn]
+    rendered[1]["tool_calls"] = [dict(call.model_dump(), function=dict(name=call.function.name,
+                                                                        arguments=json.loads(call.function.arguments)))]
+    assert out.usage.prompt_tokens == prompt_tokens(rendered, [WEATHER, ADD]) > prompt_tokens(user, [WEATHER, ADD])
+    assert out.choices[0].message.tool_calls is None and isinstance(out.choices[0].message.content, str)
+    assert engine.metrics()["compiles_since_warmup"] == 0
+
+    bad = dict(messages=user, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    status, out = post(server.url, "/v1/chat/completions", bad)
+    assert status == 400 and out["error"]["message"].startswith("tool_choice names the function 'nope'"), out
+
+
+def test_tools_on_a_template_that_never_reads_them_are_a_400(engine):
+    with TestClient(api.app(engine, TOK, "tiny")) as client:  # the byte tokenizer: the plain transcript
+        out = client.post("/v1/chat/completions", json=dict(messages=[{"role": "user", "content": "hi"}], tools=[ADD]))
+    assert out.status_code == 400 and out.json()["error"]["param"] == "tools"
+    assert out.json()["error"]["message"].startswith("this model's chat template does not render tools")
 
 
 def test_a_full_queue_is_429(engine):
