@@ -231,10 +231,24 @@ class Guard:
 Update = collections.namedtuple("Update", "index text count reason error")  # a choice after a step
 
 
-def submit(served, body, prompts):
-    """Queue body.n requests per prompt; returns (engine Requests, async iterator of their Updates).
-    All or none: 400 for a value the engine rejects, 429 when the queue is full, 503 once the
-    engine has failed."""
+def grammar_of(served, body):
+    """The compiled grammar the body's answers must follow, or None: the call schema of a
+    tool_choice that forces a call, else response_format's. 400 for a grammar that cannot be."""
+    schema = body.tool_schema() if isinstance(body, ChatBody) else None  # a call the answer must be
+    if schema and body.response_format not in (None, {"type": "text"}):
+        raise api_error(400, "response_format with a tool_choice that forces a call: the call's grammar is the "
+                             "answer's; send one of them", param="response_format")
+    try:
+        return served.grammars.json_schema(schema, "tools") if schema else \
+            body.response_format and served.grammars.response_format(body.response_format)
+    except ValueError as e:
+        raise api_error(400, str(e), param="tools" if schema else "response_format") from None
+
+
+def submit(served, body, prompts, grammar=None):
+    """Queue body.n requests per prompt, each with its own matcher of `grammar` (`grammar_of`);
+    returns (engine Requests, async iterator of their Updates). All or none: 400 for a value the
+    engine rejects, 429 when the queue is full, 503 once the engine has failed."""
     loop, queue, reqs = asyncio.get_running_loop(), asyncio.Queue(), []
 
     def callback(index):  # runs in the engine's thread: hand over a snapshot, never block
@@ -247,15 +261,6 @@ def submit(served, body, prompts):
         return put
 
     logprobs, logit_bias = requested_logprobs(body), logit_bias_ids(body)
-    schema = body.tool_schema() if isinstance(body, ChatBody) else None  # a call the answer must be
-    if schema and body.response_format not in (None, {"type": "text"}):
-        raise api_error(400, "response_format with a tool_choice that forces a call: the call's grammar is the "
-                             "answer's; send one of them", param="response_format")
-    try:
-        grammar = served.grammars.json_schema(schema, "tools") if schema else \
-            body.response_format and served.grammars.response_format(body.response_format)
-    except ValueError as e:
-        raise api_error(400, str(e), param="tools" if schema else "response_format") from None
     try:
         with served.lock:  # not while the engine thread records a fault: see `run_engine`
             if served.fault:
@@ -307,20 +312,18 @@ class Choices:
         self.decode = served.engine.decode  # tokens -> text without special tokens (`decoder`)
         self.scoring = not chat and body.echo and body.max_tokens == 0  # the prompt only
         self.logprobs = reqs[0].logprobs is not None
-        self.tools = chat and body.tools_on()  # an answer may be a tool call
+        self.tools_on = chat and body.tools_on()  # an answer may be a tool call
 
-    def calls(self, index):
-        """OpenAI's tool_calls of choice `index`'s answer, or None (text; or no tools)."""
-        return tool_calls(self.reqs[index].text or "", self.body.tools) if self.tools else None
+    def ending(self, index):
+        """(OpenAI's tool_calls of choice `index`'s answer or None (text; or no tools), its
+        finish_reason: "tool_calls" for an answer that is a whole call)."""
+        req = self.reqs[index]
+        calls = tool_calls(req.text or "", self.body.tools) if self.tools_on else None
+        return calls, "tool_calls" if calls and req.finish_reason == "stop" else req.finish_reason
 
     def may_call(self, text):
         """Whether a streamed answer that starts with `text` may still become a tool call (held back)."""
-        return self.tools and text.lstrip()[:1] in ("", "{", "<")
-
-    def finish_reason(self, index):
-        """OpenAI's finish_reason of choice `index`: "tool_calls" for an answer that is a call."""
-        reason = self.reqs[index].finish_reason
-        return "tool_calls" if reason == "stop" and self.calls(index) else reason
+        return self.tools_on and text.lstrip()[:1] in ("", "{", "<")
 
     def prompt_part(self, index):
         """(echoed text, its logprobs entries, its tokens) of choice `index`'s prompt ("" unless echo)."""
@@ -349,10 +352,10 @@ class Choices:
             text, n = self.prompt_part(index)[0] + (req.text or ""), len(req.tokens)
         logprobs = self.logprobs_of(index, 0, n, with_prompt=True)
         if self.chat:
-            calls = self.calls(index)
+            calls, reason = self.ending(index)
             message = dict(role="assistant", content=None, tool_calls=calls) if calls else \
                 dict(role="assistant", content=text)
-            return dict(index=index, message=message, logprobs=logprobs, finish_reason=self.finish_reason(index))
+            return dict(index=index, message=message, logprobs=logprobs, finish_reason=reason)
         return dict(index=index, text=text, logprobs=logprobs, finish_reason="length" if self.scoring else req.finish_reason)
 
     def completion_tokens(self):
@@ -391,11 +394,11 @@ async def events(head, choices, stream):
             echo = choices.prompt_part(i)[0] if first[i] else ""  # echo: the prompt, first
             delta = echo + text[len(sent[i]):]
             logprobs = choices.logprobs_of(i, counted[i], count, with_prompt=first[i])
-            calls = u.reason and choices.calls(i)
+            calls, reason = choices.ending(i) if u.reason and chat else (None, u.reason)
             if calls:  # the whole call in one delta, as OpenAI's chunks add up
                 message = ({"role": "assistant"} if first[i] else {}) | {
                     "tool_calls": [dict(index=k, **call) for k, call in enumerate(calls)]}
-                chunk = dict(index=i, delta=message, logprobs=logprobs, finish_reason="tool_calls")
+                chunk = dict(index=i, delta=message, logprobs=logprobs, finish_reason=reason)
             elif chat:
                 message = ({"role": "assistant"} if first[i] else {}) | ({"content": delta} if delta or first[i] else {})
                 chunk = dict(index=i, delta=message, logprobs=logprobs, finish_reason=u.reason)
@@ -440,7 +443,8 @@ async def respond(request, body, prompts, chat):
         raise api_error(404, f"the model {body.model!r} does not exist; this server serves {served.model_name!r}",
                         param="model", code="model_not_found")
     check_supported(body)
-    reqs, stream = submit(served, body, prompts)
+    grammar = await asyncio.to_thread(grammar_of, served, body)  # a first compile takes a while: not on the loop
+    reqs, stream = submit(served, body, prompts, grammar)
     choices = Choices(served, body, prompts, reqs, chat)
     kind = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
     head = dict(id=f"{kind[1]}-{reqs[0].id}", object=kind[0], created=int(time.time()), model=served.model_name)

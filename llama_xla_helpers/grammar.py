@@ -15,6 +15,10 @@ max_tokens: then its text may not parse, as OpenAI's). The matcher needs every t
 fills the next mask, so while a request with a grammar runs, the engine reads each step's tokens
 before the next step, giving up its one-step lag (engine.py).
 
+A known limit of xgrammar 0.2.8: a string with maxLength or minLength compiles to a rule that also
+allows raw control characters (U+0000-U+001F), which strict JSON parsers reject; a plain string,
+or one with a `pattern`, does not (tests/test_grammar.py checks both).
+
 xgrammar is imported here only, when a request asks for a grammar. It is vLLM's and SGLang's
 grammar engine: Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for
 Large Language Models" (MLSys 2025), https://arxiv.org/abs/2411.15100,

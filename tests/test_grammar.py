@@ -80,3 +80,16 @@ def test_allowed_by_reads_the_bitmask_as_xgrammar_masks_logits():
 def test_a_format_that_cannot_compile_is_named(fmt, message):
     with pytest.raises(ValueError, match=message):
         Grammars(ByteTokenizer(), VOCAB, [ByteTokenizer.eos_id]).response_format(fmt)
+
+
+@pytest.mark.parametrize("schema, raw_control", [({"type": "string"}, False),
+                                                  ({"type": "string", "pattern": "^[a-z]{0,5}$"}, False),
+                                                  ({"type": "string", "maxLength": 5}, True),
+                                                  ({"type": "string", "minLength": 1}, True)])
+def test_the_known_limit_of_string_lengths(schema, raw_control):
+    """xgrammar 0.2.8's limit, documented in grammar.py and the README: a string with maxLength or
+    minLength allows a raw control character (here U+0001) after its opening quote, which strict JSON
+    parsers reject; a plain string or a pattern does not. If xgrammar fixes it, this fails: update the docs."""
+    state = matcher(Grammars(ByteTokenizer(), VOCAB, [ByteTokenizer.eos_id]).json_schema(schema))
+    assert state.accept_token(ord('"'))
+    assert state.accept_token(1) == raw_control
