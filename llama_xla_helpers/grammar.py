@@ -17,7 +17,8 @@ before the next step, giving up its one-step lag (engine.py).
 
 A known limit of xgrammar 0.2.8: a string with maxLength or minLength compiles to a rule that also
 allows raw control characters (U+0000-U+001F), which strict JSON parsers reject; a plain string,
-or one with a `pattern`, does not (tests/test_grammar.py checks both).
+or one with a `pattern`, does not (tests/test_grammar.py checks both). And a pattern's repetition
+count above 128 (`[a-z]{129}`) does not compile (a ValueError); `[a-z]{100}[a-z]{29}` does.
 
 xgrammar is imported here only, when a request asks for a grammar. It is vLLM's and SGLang's
 grammar engine: Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for

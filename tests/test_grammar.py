@@ -74,6 +74,8 @@ def test_allowed_by_reads_the_bitmask_as_xgrammar_masks_logits():
      "response_format.json_schema.schema: xgrammar cannot compile this JSON schema: Unsupported type \"strin\""),
     ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}},
      "response_format.json_schema.schema: xgrammar cannot compile this JSON schema: .*nowhere"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "^[a-z]{129}$"}}},
+     "response_format.json_schema.schema: xgrammar cannot compile this JSON schema"),  # 128 at most: grammar.py
     ({"type": "json_schema", "json_schema": "an object"}, "response_format.json_schema must be an object"),
     ({"type": "yaml"}, "response_format.type='yaml' must be 'text', 'json_object' or 'json_schema'"),
 ])
