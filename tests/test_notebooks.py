@@ -1,5 +1,6 @@
 """The notebooks' layout: the README's table and the package reference list every notebook, in the
-order `make tour` runs them, and each notebook says at its top what a TPU prints differently."""
+order `make tour` runs them, each notebook says at its top what a TPU prints differently, and
+every figure is committed as an image."""
 import json
 import re
 from pathlib import Path
@@ -24,3 +25,14 @@ def test_every_notebook_says_what_a_tpu_prints_differently():
     for name in NOTEBOOKS:
         first = "".join(json.loads((ROOT / "notebooks" / name).read_text())["cells"][0]["source"])
         assert "**What a TPU prints differently:**" in first, name
+
+
+def test_every_committed_figure_is_an_image():
+    """A Figure that IPython cannot draw is committed as the text '<Figure size ...>' alone (issue 62's
+    audit found three): every display of one must carry its PNG."""
+    for name in NOTEBOOKS:
+        for cell in json.loads((ROOT / "notebooks" / name).read_text())["cells"]:
+            for out in cell.get("outputs", []):
+                data = out.get("data", {})
+                if "<Figure size" in "".join(data.get("text/plain", [])):
+                    assert "image/png" in data, (name, cell.get("id"))
