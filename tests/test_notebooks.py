@@ -1,6 +1,7 @@
 """The notebooks' layout: the README's table and the package reference list every notebook, in the
-order `make tour` runs them, each notebook says at its top what a TPU prints differently, and
-every figure is committed as an image."""
+order `make tour` runs them, each notebook says at its top what a TPU prints differently (and, if
+it opens the device, that a TPU VM runs one kernel at a time), and every figure is committed as an
+image."""
 import json
 import re
 from pathlib import Path
@@ -25,6 +26,15 @@ def test_every_notebook_says_what_a_tpu_prints_differently():
     for name in NOTEBOOKS:
         first = "".join(json.loads((ROOT / "notebooks" / name).read_text())["cells"][0]["source"])
         assert "**What a TPU prints differently:**" in first, name
+
+
+def test_every_notebook_that_opens_the_device_says_one_kernel_at_a_time():
+    """On a TPU VM the kernel that starts the runtime holds the chips: each notebook that calls
+    init_runtime says so in a box at its top (05b needs no device)."""
+    for name in NOTEBOOKS:
+        cells = json.loads((ROOT / "notebooks" / name).read_text())["cells"]
+        if any("init_runtime(" in "".join(c["source"]) for c in cells if c["cell_type"] == "code"):
+            assert "**On a TPU VM, one kernel at a time:**" in "".join(cells[0]["source"]), name
 
 
 def test_every_committed_figure_is_an_image():
