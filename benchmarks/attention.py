@@ -196,7 +196,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_LENGTHS} tokens, no search, to {QUICK_RESULTS}")
     quick = parser.parse_args().quick
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {MEMORY_SCHEDULER}".strip()
-    init_runtime(cpu_devices=DEVICES, hlo_dump_dir=True)
+    init_runtime(cpu_devices=DEVICES, hlo_dump_dir=True, partitioner_warnings=True)
     from llama_xla_helpers import attention, plots
     from llama_xla_helpers.hlo import partitioner_warnings
     from llama_xla_helpers.train import TrainConfig

@@ -206,7 +206,7 @@ def partitioner_warnings():
     log to file descriptor 2, which Python does not see: the block points fd 2 at a temporary
     file, then reads it back and passes on everything else to stderr. On a TPU the partitioner
     runs inside libtpu, which logs to /tmp/tpu_logs and sends only errors to stderr unless
-    TPU_STDERR_LOG_LEVEL=0 was set before the runtime started (`init_runtime(hlo_dump_dir=...)` sets it). On
+    TPU_STDERR_LOG_LEVEL=0 was set before the runtime started (`init_runtime(partitioner_warnings=True)` sets it). On
     a TPU without it, this raises instead of returning an empty list that would prove nothing.
     """
     import torch_xla.runtime as xr
@@ -214,7 +214,7 @@ def partitioner_warnings():
     if xr.device_type() == "TPU" and os.environ.get("TPU_STDERR_LOG_LEVEL") != "0":
         raise RuntimeError("libtpu sends the partitioner's warnings to stderr only with TPU_STDERR_LOG_LEVEL=0, "
                            "set before the runtime starts; restart the process (or kernel) and call "
-                           "init_runtime(hlo_dump_dir=True) first, which sets it")
+                           "init_runtime(partitioner_warnings=True) first, which sets it")
     sys.stderr.flush()
     saved = os.dup(2)
     warnings = []

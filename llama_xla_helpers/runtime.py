@@ -119,7 +119,8 @@ def pid_alive(pid):
     return True
 
 
-def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_readonly=False):
+def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_readonly=False,
+                 partitioner_warnings=False):
     """Start the XLA runtime in SPMD mode, print what it got (process 0, first call) and return it.
 
     On a TPU VM this uses the TPU and ignores `cpu_devices`. On a CPU it makes `cpu_devices`
@@ -134,7 +135,8 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
     cache, or with cache_dir=None, is fine; another cache raises (restart the process to change it).
     On a TPU it sets, before the runtime starts, the recipes' overlap flags in LIBTPU_INIT_ARGS unless
     the variable is set already (then process 0 prints that it kept it), and TPU_STDERR_LOG_LEVEL=0
-    only with `hlo_dump_dir` (`tpu_env`).
+    only with `partitioner_warnings` (`tpu_env`): a run that reads the partitioner's warnings
+    (`hlo.partitioner_warnings`) from libtpu's stderr, which then carries its INFO lines too.
     """
     if cache_dir is None and compile_cache_dir() is None:  # the variable, unless a cache is set up
         cache_dir = os.environ.get(COMPILE_CACHE_VAR) or None
@@ -155,7 +157,7 @@ def init_runtime(cpu_devices=None, hlo_dump_dir=None, cache_dir=None, cache_read
 
     started = torch_xla._XLAC._xla_runtime_is_initialized()
     if not started:  # libtpu reads its variables once, when the runtime starts
-        os.environ.update(tpu_env(os.environ, tpu_chips_present(), bool(hlo_dump_dir), USER_LIBTPU_INIT_ARGS))
+        os.environ.update(tpu_env(os.environ, tpu_chips_present(), partitioner_warnings, USER_LIBTPU_INIT_ARGS))
     user_choice = os.environ.get("PJRT_DEVICE")
     kind = xr.device_type()  # torch_xla's detection, unless PJRT_DEVICE is set
     if kind != "TPU" and tpu_chips_present():
@@ -195,7 +197,7 @@ def not_the_precision_warning(record):
     return "mat mul precision multiple times" not in record.getMessage()
 
 
-def tpu_env(environ, chips, hlo_dump=False, user_libtpu_args=None):
+def tpu_env(environ, chips, partitioner_warnings=False, user_libtpu_args=None):
     """The variables `init_runtime` sets before the runtime starts, when libtpu reads them: {name: value}.
 
     Nothing without TPU chips. With chips:
@@ -203,9 +205,10 @@ def tpu_env(environ, chips, hlo_dump=False, user_libtpu_args=None):
       import put there): XLA then overlaps the collectives of a sharded step with its compute, as the
       public recipes run. Unless the user set the variable (`user_libtpu_args`, their value before
       torch_xla's import): theirs is kept whole.
-    - TPU_STDERR_LOG_LEVEL=0 only with an HLO dump (`hlo_dump`), unless set already: libtpu sends only
-      errors to stderr by default, and `hlo.partitioner_warnings` reads the partitioner's warnings
-      there; everywhere else libtpu's INFO lines would flood training, serving and notebooks.
+    - TPU_STDERR_LOG_LEVEL=0 only for a run that reads the partitioner's warnings
+      (`partitioner_warnings`), unless set already: libtpu sends only errors to stderr by default, and
+      `hlo.partitioner_warnings` reads them there; everywhere else libtpu's INFO lines would flood
+      training, serving and notebooks (an HLO dump alone does not need it).
     """
     if not chips:
         return {}
@@ -216,7 +219,7 @@ def tpu_env(environ, chips, hlo_dump=False, user_libtpu_args=None):
         missing = [flag for flag in OVERLAP_FLAGS.split() if flag.split("=")[0].lstrip("-") not in named]
         if missing:
             env["LIBTPU_INIT_ARGS"] = " ".join(flags + missing)
-    if hlo_dump and "TPU_STDERR_LOG_LEVEL" not in environ:
+    if partitioner_warnings and "TPU_STDERR_LOG_LEVEL" not in environ:
         env["TPU_STDERR_LOG_LEVEL"] = "0"
     return env
 

@@ -194,14 +194,14 @@ def test_a_libtpu_init_args_the_user_set_is_kept_whole(torch_xla_import):
 
 @pytest.mark.parametrize("environ", [{}, {"LIBTPU_INIT_ARGS": "--xla_tpu_enable_flash_attention=false"}])
 def test_nothing_is_set_without_tpu_chips(environ):
-    assert runtime.tpu_env(environ, chips=False, hlo_dump=True) == {}
+    assert runtime.tpu_env(environ, chips=False, partitioner_warnings=True) == {}
 
 
-def test_libtpus_stderr_log_is_verbose_only_for_an_hlo_dump():
+def test_libtpus_stderr_log_is_verbose_only_for_the_partitioners_warnings():
     user = dict(user_libtpu_args="")  # LIBTPU_INIT_ARGS left aside
-    assert runtime.tpu_env({}, chips=True, hlo_dump=False, **user) == {}  # its INFO lines would flood every run
-    assert runtime.tpu_env({}, chips=True, hlo_dump=True, **user) == {"TPU_STDERR_LOG_LEVEL": "0"}  # hlo.py reads it
-    assert runtime.tpu_env({"TPU_STDERR_LOG_LEVEL": "2"}, chips=True, hlo_dump=True, **user) == {}  # the user's wins
+    assert runtime.tpu_env({}, chips=True, **user) == {}  # its INFO lines would flood every run
+    assert runtime.tpu_env({}, chips=True, partitioner_warnings=True, **user) == {"TPU_STDERR_LOG_LEVEL": "0"}  # hlo.py reads it
+    assert runtime.tpu_env({"TPU_STDERR_LOG_LEVEL": "2"}, chips=True, partitioner_warnings=True, **user) == {}  # the user's wins
 
 
 @pytest.fixture
@@ -221,7 +221,9 @@ def test_init_runtime_on_a_tpu_sets_the_overlap_flags(fresh_tpu_vm, tmp_path, ca
     info = init_runtime()
     assert os.environ["LIBTPU_INIT_ARGS"] == runtime.OVERLAP_FLAGS and "TPU_STDERR_LOG_LEVEL" not in os.environ
     assert capsys.readouterr().out == f"{info}\n" and info.chip == "tpu-v5e"  # nothing printed about the flags
-    init_runtime(hlo_dump_dir=tmp_path)
+    init_runtime(hlo_dump_dir=tmp_path)  # an HLO dump alone leaves libtpu's log level
+    assert "TPU_STDERR_LOG_LEVEL" not in os.environ
+    init_runtime(partitioner_warnings=True)
     assert os.environ["TPU_STDERR_LOG_LEVEL"] == "0"
 
 
