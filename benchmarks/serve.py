@@ -719,19 +719,30 @@ def latencies(runs, key, unit):
     return groups
 
 
-def report(result):
-    """Print the tables and targets and return the figures (a notebook may call this on the saved JSON)."""
-    runs = medians(result["runs"])
+def runs_table(result):
+    """The workload runs' medians over the repetitions, a row per system and pattern, as text."""
     columns = ["system", "pattern", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "seconds",
                "in_flight_peak", "in_flight_mean", "preemptions"]
+    return plots.table([{k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k, "") for k in columns}
+                        for r in medians(result["runs"])], columns)
+
+
+def report(result):
+    """Print the tables and targets and return the figures (a notebook may call this on the saved
+    JSON, or `runs_table` and `figures` alone)."""
     print(f"medians of {result['setup']['reps']} repetitions")
-    print(plots.table([{k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k, "") for k in columns}
-                       for r in runs], columns))
+    print(runs_table(result))
     for rows in (result["decode"], result["engine_decode"], result["prefix_caching"], *(
             [result["constrained"]] if "constrained" in result else [])):
         print(plots.table([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows]))
     for t in result["targets"]:
         print(f"{'met   ' if t['met'] else 'missed'}  {t['target']}: {t['measured']}")
+    return figures(result)
+
+
+def figures(result):
+    """The saved result's figures, each labelled with its name (`Figure.get_label()`, `plots`)."""
+    runs = medians(result["runs"])
     live = result["setup"]["live"]
     flight = {r["system"]: r for r in runs if r["pattern"] == "all-at-once" and "in_flight_peak" in r}
     timeline = [{int(k): v for k, v in step.items()} for step in result["timeline"]]  # JSON's keys are strings

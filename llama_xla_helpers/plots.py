@@ -1,8 +1,8 @@
 """Every figure (and text table) the notebooks and benchmarks show.
 
-Each plot function returns a matplotlib Figure (a notebook displays it once) and, when the
-environment variable LLAMA_XLA_FIGURES names a folder (`make tour` sets it), saves it there
-as <name>.png.
+Each plot function returns a matplotlib Figure (a notebook displays it once), labelled with its
+name (`fig.get_label()`), and, when the environment variable LLAMA_XLA_FIGURES names a folder
+(`make tour` sets it), saves it there as <name>.png.
 """
 import os
 
@@ -16,6 +16,7 @@ from .sharding import device_blocks
 
 
 def _finish(fig, name):
+    fig.set_label(name)  # fig.get_label(): which figure it is
     folder = os.environ.get("LLAMA_XLA_FIGURES")
     if folder:
         os.makedirs(folder, exist_ok=True)
