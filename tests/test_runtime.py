@@ -178,7 +178,7 @@ def test_on_a_tpu_the_overlap_flags_are_added_to_torch_xlas_defaults(torch_xla_i
     assert flags[:len(defaults)] == defaults  # torch_xla's own, first and unchanged
     assert set(runtime.OVERLAP_FLAGS.split()) <= set(flags) and len(flags) == len(set(flags))  # none twice
     assert "--xla_enable_async_all_gather=true" in defaults and len(flags) == len(defaults) + 4  # v5's default kept
-    assert env == {"LIBTPU_INIT_ARGS": " ".join(flags)}  # no TPU_STDERR_LOG_LEVEL without an HLO dump
+    assert env == {"LIBTPU_INIT_ARGS": " ".join(flags)}  # no TPU_STDERR_LOG_LEVEL unless the partitioner's warnings are read
     assert runtime.tpu_env({}, chips=True) == {"LIBTPU_INIT_ARGS": runtime.OVERLAP_FLAGS}
     assert runtime.tpu_env({"LIBTPU_INIT_ARGS": runtime.OVERLAP_FLAGS}, chips=True) == {}  # a second call adds nothing
 
