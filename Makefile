@@ -84,10 +84,10 @@ $(foreach f,$(OWN),$(eval TESTS_$(f) := tests/test_$(f).py))
 PYTEST_PARTS := $(addprefix test-pytest-,a b d engine loop c train attention_training scan)
 
 # nbval in three processes, each a group of notebooks with its own output folder; a notebook whose
-# checkpoint others read runs before them in their group (04, 05 and 06 read 03's). Measured in make test
+# checkpoint others read runs before them in their group (04, 05, 06 and 06b read 03's). Measured in make test
 # (beside another part, 2026-11-28): 03-06 680 s, the rest 352 s, 01, 02 and 09 266 s.
 NBVAL_GROUPS := 03 09 rest
-NBVAL_03 := $(filter notebooks/03_% notebooks/04_% notebooks/05_% notebooks/06_%,$(NOTEBOOKS))
+NBVAL_03 := $(filter notebooks/03_% notebooks/04_% notebooks/05_% notebooks/06_% notebooks/06b_%,$(NOTEBOOKS))
 NBVAL_09 := $(filter notebooks/01_% notebooks/02_% notebooks/09_%,$(NOTEBOOKS))
 NBVAL_rest := $(filter-out $(NBVAL_03) $(NBVAL_09),$(NOTEBOOKS))
 NBVAL_PARTS := $(NBVAL_GROUPS:%=test-nbval-%)
@@ -181,7 +181,7 @@ $(VARIANT_BF16_TESTS): variant-bf16-tests-%:
 		-m 'not variants and not fixed_dtype'); $(PASSED_OR_NONE)
 
 # One line per notebook (its seconds and the figures it saved), as it ends. On a CPU make test's three nbval
-# groups run two at a time (measured: 665 s, 814 s one at a time), each group in order (04-06 read 03's
+# groups run two at a time (measured: 665 s, 814 s one at a time), each group in order (04-06b read 03's
 # checkpoint); on a TPU one notebook at a time (the process that opens the chips holds them). A notebook
 # saves its figures into a folder of its own, moved into outputs/figures/ after it, so that its line names
 # only its own. The kernels' messages (Jupyter's notices, XLA's C++ warnings) go to one log per group,

@@ -2,8 +2,9 @@
 
     python benchmarks/decode.py     # ~15 minutes; writes results/decode.json and results/decode_*.png
 
-A ~56M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, MLP 1376, vocab 32000),
-fp32, random weights, 32-token prompts, 256 new tokens, batch 1 / 8 / 32, for:
+The benchmarks' ~56M-parameter Llama, `get_config("bench")` (hidden 512, 8 layers, 8 heads, 4 KV
+heads, MLP 1376, vocab 32000), fp32, random weights, 32-token prompts, 256 new tokens, batch 1 / 8
+/ 32, for:
   ours      Generator: bucketed prefill + one compiled decode step (XLA, one CPU device)
   hf-eager  Hugging Face generate, plain PyTorch on the same CPU
   hf-xla    Hugging Face generate on the XLA device out of the box (16 tokens: it recompiles
@@ -34,8 +35,7 @@ from llama_xla_helpers.model import Llama
 from llama_xla_helpers.runtime import init_runtime
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CONFIG = get_config("tiny", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                     intermediate_size=1376, vocab_size=32000, initializer_range=0.2)
+CONFIG = get_config("bench")  # the benchmarks' one decode model (configs.py)
 PROMPT, NEW, NAIVE_NEW, BATCHES = 32, 256, 16, (1, 8, 32)
 PROMPT_LENGTHS = (10, 100, 300, 600, 1000, 1500)
 

@@ -15,9 +15,11 @@ nearest with groups of 32 and 128, and GPTQ int4 with groups of 128 calibrated o
             for Llama 2 7B's shapes built on the meta device, where the linears dominate.
   speed     per-token decode latency with `Generator` (32-token prompt, 128 new tokens,
             batch 1 and 8), one XLA CPU device, median of 3 calls after a warm-up call; and
-            the same with 32 new tokens for a 56M-parameter random model (decode.py's, MLP 1408)
-            in fp32, int8 and int4 (lm_head quantized too), whose weights no longer fit in the
-            CPU's caches.
+            the same with 32 new tokens for the benchmarks' 56M-parameter random model
+            (`get_config("bench")`, decode.py's and serve.py's) in fp32, int8 and int4 with groups
+            of 32 (its MLP of 1376 is not a multiple of 128), the output layer quantized too, whose
+            weights no longer fit in the CPU's caches; and the memory bandwidth, measured in the
+            same run as decode.py measures it, for the weight-streaming bound.
 """
 import copy
 import json
@@ -40,6 +42,8 @@ from llama_xla_helpers.model import Llama, ModelArgs
 from llama_xla_helpers.quantize import Int4Linear, Int8Linear, quantize, weight_bytes
 from llama_xla_helpers.runtime import init_runtime
 
+from decode import memory_bandwidth  # benchmarks/decode.py, beside this file
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CHECKPOINT = ROOT / "outputs" / "checkpoints" / "03_tiny_hf"
@@ -49,11 +53,9 @@ CHECK_CHUNKS = 16  # the first held-out chunks, for the notebook's check that th
 # name -> (scheme, group_size); None: no quantization (fp32 as trained, bf16 cast)
 SCHEMES = {"fp32": None, "bf16": None, "int8": ("int8", None), "int4-g32": ("int4", 32),
            "int4-g128": ("int4", 128), "gptq-int4-g128": ("gptq-int4", 128)}
-# A model large enough that decoding streams its weights from memory (decode.py's, 56M parameters).
-# MLP 1408 instead of its 1376, so that groups of 128 divide it.
-LARGE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-             intermediate_size=1408, vocab_size=32000, initializer_range=0.02)
-LARGE_SCHEMES = ("fp32", "int8", "int4-g128")
+# A model large enough that decoding streams its weights from memory: the benchmarks' decode model.
+LARGE = "bench"
+LARGE_SCHEMES = ("fp32", "int8", "int4-g32")  # groups of 32: its MLP, 1376, is 43 x 32
 LARGE_NEW = 32
 
 
@@ -147,9 +149,10 @@ def main():
         print(name, row, f"{time.perf_counter() - start:.0f} s", flush=True)
 
     torch.manual_seed(0)
-    large_base = Llama.from_hf(LlamaForCausalLM(get_config("tiny", **LARGE)).eval(),
+    large_base = Llama.from_hf(LlamaForCausalLM(get_config(LARGE)).eval(),
                                max_batch_size=max(BATCHES), max_seq_len=PROMPT + LARGE_NEW)
     large_prompts = torch.randint(0, 256, (max(BATCHES), PROMPT), generator=torch.Generator().manual_seed(0))
+    bandwidth = memory_bandwidth()
     large = []
     for name in LARGE_SCHEMES:
         model = build(large_base, name, quantize_lm_head=True)  # the output layer is 16M of the weights
@@ -163,8 +166,8 @@ def main():
                   check_chunks=CHECK_CHUNKS,
                   calibration_chunks=CALIBRATION, prompt=PROMPT, new_tokens=NEW, repeats=REPEATS,
                   xla_path={"int8": Int8Linear.xla_path, "int4": Int4Linear.xla_path},
-                  schemes=schemes, large=dict(config=LARGE, new_tokens=LARGE_NEW, schemes=large),
-                  llama2_7b_bytes=sizes)
+                  schemes=schemes, large=dict(config=get_config(LARGE).to_diff_dict(), new_tokens=LARGE_NEW, schemes=large),
+                  bandwidth_bytes_per_s=bandwidth, llama2_7b_bytes=sizes)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "quantize.json").write_text(json.dumps(result, indent=2) + "\n")
     report(result)

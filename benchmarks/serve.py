@@ -4,8 +4,9 @@ against its baselines (issue 42's targets, and the earlier serving issues' that 
     python benchmarks/serve.py            # ~40 minutes; writes results/serve.json and results/serve_*.png
     python benchmarks/serve.py --quick    # ~3 minutes: 8 short requests, a 2-layer model, 1 repetition; a temp folder
 
-Workload: decode.py's ~56M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, MLP 1376,
-vocab 32000), fp32, random weights (torch.manual_seed(0)), one XLA CPU device. 32 requests
+Workload: the benchmarks' ~56M-parameter Llama, `get_config("bench")` (hidden 512, 8 layers, 8
+heads, 4 KV heads, MLP 1376, vocab 32000), fp32, random weights (torch.manual_seed(0)), one XLA
+CPU device. 32 requests
 with a fixed seed: prompt lengths uniform in [16, 400], output lengths uniform in [16, 256],
 token ids uniform in the vocabulary. There is no EOS, so every request makes exactly its output
 length, and every system is greedy. A request is at most 656 tokens; the model's context is 768.
@@ -142,8 +143,6 @@ from llama_xla_helpers.runtime import init_runtime
 from llama_xla_helpers.tokenizer import ByteTokenizer
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-MODEL = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1376,
-             vocab_size=32000, initializer_range=0.2)  # decode.py's CONFIG, with the layers below
 SLOTS = 8  # the fixed-slot engine's rows: the cache's bytes (SLOTS contexts), static's and HF's batches
 ENGINES = {"engine-lazy": False, "engine-compiled": True}  # system name: Engine's compile=
 HOST_STEPS = 16  # decode steps traced for the host time
@@ -178,7 +177,7 @@ class Setup:
 
     @property
     def config(self):
-        return get_config("tiny", num_hidden_layers=self.layers, **MODEL)
+        return get_config("bench", num_hidden_layers=self.layers)  # the benchmarks' decode model
 
 
 FULL = Setup()

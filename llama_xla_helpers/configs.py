@@ -35,6 +35,12 @@ CONFIGS = {
     # tiny with 2 layers: what a check of the machinery trains (the tests), where the layer count is not
     # the point; XLA:CPU compiles its training step in about 70% of tiny's time.
     "micro": dict(TINY, num_hidden_layers=2),
+    # The benchmarks' one decode model (benchmarks/decode.py, quantize.py and serve.py): 56M
+    # parameters, 16M of them in the output layer, so that a decode step streams its weights from
+    # memory, not from the CPU's caches. Random weights, token ids anywhere in the vocabulary.
+    # MLP 1376 = 43 x 32: int4 groups of 32 divide it (quantize.py), groups of 128 do not.
+    "bench": dict(TINY, vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, initializer_range=0.2),
     # LLaMA 1 (Touvron et al. 2023, Table 2).
     "llama-7b": dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

@@ -232,7 +232,7 @@ def cpu_device_count(cpu_devices=None):
 
 
 def default_dtype():
-    """"bf16" or "fp32": the dtype train, serve, the doctor and notebooks 03-06 use unless told.
+    """"bf16" or "fp32": the dtype train, serve, the doctor and notebooks 03-06b use unless told.
 
     LLAMA_XLA_DEFAULT_DTYPE=bf16 (or fp32) sets it on any device, so a CPU runs what a TPU runs by
     default; unset, it is bf16 on a TPU and fp32 elsewhere. An explicit --dtype / dtype= wins.

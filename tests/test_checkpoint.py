@@ -201,7 +201,7 @@ def test_export_hf_matches_sharded_logits(mesh, tmp_path, capfd):
 
 
 def test_export_hf_of_a_bf16_model_in_fp32(mesh, tmp_path):
-    """Notebook 03's export for 04-06: fp32 whatever the run trained in (a TPU trains in bf16)."""
+    """Notebook 03's export for 04-06b: fp32 whatever the run trained in (a TPU trains in bf16)."""
     model = hf_model(get_config("tiny", num_hidden_layers=2)).to(torch.bfloat16)
     shard_params(model, mesh, "2d")
     export_hf(model, tmp_path / "hf", dtype=torch.float32)

@@ -6,7 +6,7 @@ from llama_xla_helpers.configs import CONFIGS, get_config
 from llama_xla_helpers.metrics import param_count
 from llama_xla_helpers.model import rope_args
 
-NAMES = ["tiny", "micro", "llama-7b", "llama-33b", "llama-65b", "llama-175b", "llama2-7b",
+NAMES = ["tiny", "micro", "bench", "llama-7b", "llama-33b", "llama-65b", "llama-175b", "llama2-7b",
          "llama2-13b", "llama2-70b", "llama3-8b", "llama3.1-70b", "llama3.2-1b"]
 TIED = {"llama3.2-1b"}  # the output layer is the embedding's weight
 
@@ -37,6 +37,15 @@ def test_tiny_exact():
     assert cfg.vocab_size % 8 == 0 and cfg.vocab_size >= 258  # bytes + BOS + EOS
     assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
     assert rope_args(cfg) == dict(rope_theta=10000.0, rope_scaling=None)
+
+
+def test_bench_is_the_benchmarks_decode_model():
+    cfg = get_config("bench")
+    assert cfg.to_dict() == get_config("tiny", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                                       num_key_value_heads=4, intermediate_size=1376, vocab_size=32000,
+                                       initializer_range=0.2).to_dict()
+    assert param_count(cfg) == 55_976_448  # embeddings and output layer 2 x 16,384,000 + 8 layers of 2,900,992 + norm 512
+    assert cfg.intermediate_size % 32 == 0  # int4 groups of 32 (benchmarks/quantize.py)
 
 
 def test_llama_7b_dims():

@@ -76,7 +76,7 @@ def notebook_groups(plan, pattern):
 
 def test_each_notebook_runs_in_exactly_one_nbval_part_after_the_notebooks_it_reads():
     """make test splits nbval into processes with their own output folders (Makefile: NBVAL_GROUPS): a notebook
-    that reads another's checkpoint (04-06 read 03's "03_tiny_hf") must run after it, in the same part."""
+    that reads another's checkpoint (04-06b read 03's "03_tiny_hf") must run after it, in the same part."""
     assert len(notebook_groups(make_n("test", "TPU=").stdout,
                                r"--nbval-cell-timeout=\d+ ((?:notebooks/\S+\.ipynb ?)+)")) > 1
 

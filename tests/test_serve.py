@@ -727,7 +727,7 @@ def engine():
 
 
 def test_start_in_thread_serves_from_this_process_and_stops(engine, expected):
-    """Notebook 06's way on a TPU: uvicorn in a thread of the process that holds the device."""
+    """Notebook 06b's way on a TPU: uvicorn in a thread of the process that holds the device."""
     engine.warmup()
     app = serve.app(engine, TOK, "tiny")
     server = serve.start_in_thread(app, port=0)
