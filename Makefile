@@ -190,7 +190,7 @@ TOUR_PARTS := $(if $(TPU),tour-all,$(NBVAL_GROUPS:%=tour-%))
 .PHONY: tour-all $(NBVAL_GROUPS:%=tour-%)
 tour: .venv/installed
 	@mkdir -p outputs/figures
-	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/$(if $(TPU),, (two at a time: about 11 minutes on a 2-core CPU))"
+	@echo "Executing $(words $(NOTEBOOKS)) notebooks into outputs/$(if $(TPU),, (two at a time: about 11-20 minutes on a 2-core CPU))"
 	@$(if $(TPU),,$(ONE_THREAD)) $(MAKE) --no-print-directory $(if $(TPU),,-j2) $(TOUR_PARTS)
 	@echo "Executed notebooks: $(CURDIR)/outputs/*.ipynb; figures: $(CURDIR)/outputs/figures/"
 	@echo "Kernel and XLA messages: $(CURDIR)/outputs/tour-*.log"
