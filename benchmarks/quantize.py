@@ -1,6 +1,6 @@
 """Quantized inference, side by side: quality, bytes, decode speed (issue: quantized inference).
 
-    python benchmarks/quantize.py     # ~3 minutes; writes results/quantize.json and results/quantize_*.png
+    python benchmarks/quantize.py     # ~4 minutes; writes results/quantize.json and results/quantize_*.png
 
 The model is the one notebook 03 trains (outputs/checkpoints/03_tiny_hf: byte-level, hidden 128,
 4 layers, fp32). Schemes: fp32, bf16 (the whole model cast), int8 (per channel), int4 round to
@@ -166,7 +166,8 @@ def main():
                   check_chunks=CHECK_CHUNKS,
                   calibration_chunks=CALIBRATION, prompt=PROMPT, new_tokens=NEW, repeats=REPEATS,
                   xla_path={"int8": Int8Linear.xla_path, "int4": Int4Linear.xla_path},
-                  schemes=schemes, large=dict(config=get_config(LARGE).to_diff_dict(), new_tokens=LARGE_NEW, schemes=large),
+                  schemes=schemes,
+                  large=dict(config=get_config(LARGE).to_diff_dict(), new_tokens=LARGE_NEW, schemes=large),
                   bandwidth_bytes_per_s=bandwidth, llama2_7b_bytes=sizes)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "quantize.json").write_text(json.dumps(result, indent=2) + "\n")

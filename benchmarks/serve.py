@@ -6,10 +6,10 @@ against its baselines (issue 42's targets, and the earlier serving issues' that 
 
 Workload: the benchmarks' ~56M-parameter Llama, `get_config("bench")` (hidden 512, 8 layers, 8
 heads, 4 KV heads, MLP 1376, vocab 32000), fp32, random weights (torch.manual_seed(0)), one XLA
-CPU device. 32 requests
-with a fixed seed: prompt lengths uniform in [16, 400], output lengths uniform in [16, 256],
-token ids uniform in the vocabulary. There is no EOS, so every request makes exactly its output
-length, and every system is greedy. A request is at most 656 tokens; the model's context is 768.
+CPU device. 32 requests with a fixed seed: prompt lengths uniform in [16, 400], output lengths
+uniform in [16, 256], token ids uniform in the vocabulary. There is no EOS, so every request
+makes exactly its output length, and every system is greedy. A request is at most 656 tokens;
+the model's context is 768.
 
 The cache: the same bytes as the fixed-slot engine's 8 slots x 768 positions. The paged engine's
 pool is 8 x pages_for(768, 64) + 1 = 97 pages of 64 positions (kv_pages.page_size_for(768) = 64;
@@ -658,8 +658,8 @@ def targets(result):
     rows.append(("compiled engine TPOT p50 <= 0.7x HF continuous batching's (poisson-50%)", spread(x),
                  np.median(x) <= 0.7))
     warm = result["warmup"]
-    rows.append((f"compiled engine warm-up: at most {BEFORE_PROGRAMS} programs, as many as the engine it replaced "
-                 f"(which compiled them in {BEFORE_WARMUP_S} s on this CPU)",
+    rows.append((f"compiled engine warm-up: at most {BEFORE_PROGRAMS} programs, as many as the engine it "
+                 f"replaced (which compiled them in {BEFORE_WARMUP_S} s on this CPU)",
                  f"{warm['programs']} programs in {warm['seconds']:.0f} s", warm["programs"] <= BEFORE_PROGRAMS))
     live, step = result["setup"]["live"], {(r["system"], r["batch"]): r for r in result["engine_decode"]}
     for (system, batch), r in step.items():

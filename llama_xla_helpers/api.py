@@ -394,7 +394,7 @@ async def events(head, choices, stream):
             echo = choices.prompt_part(i)[0] if first[i] else ""  # echo: the prompt, first
             delta = echo + text[len(sent[i]):]
             logprobs = choices.logprobs_of(i, counted[i], count, with_prompt=first[i])
-            calls, reason = choices.ending(i) if u.reason else (None, None)  # no tools (completions): no call
+            calls, reason = choices.ending(i) if u.reason else (None, None)  # a finished answer may be a call
             if calls:  # the whole call in one delta, as OpenAI's chunks add up
                 message = ({"role": "assistant"} if first[i] else {}) | {
                     "tool_calls": [dict(index=k, **call) for k, call in enumerate(calls)]}
