@@ -79,13 +79,15 @@ TESTS_d := $(filter-out $(TESTS_OWN),$(sort $(wildcard tests/test_[t-z]*.py)))
 # One part per file of TESTS_OWN, named after it (test-pytest-loop runs tests/test_loop.py).
 OWN := $(TESTS_OWN:tests/test_%.py=%)
 $(foreach f,$(OWN),$(eval TESTS_$(f) := tests/test_$(f).py))
-# The longest first (measured in make test on a fresh clone, 2026-11-28: a 278 s, b 246, d 179, engine 136,
-# loop 114, c 105, train 70, attention_training 38, scan 28).
+# The longest first (measured in make test, 2026-11-28 / 2026-11-29, a slow day for this VM: a 278 / 410 s,
+# b 246 / 389, d 179 / 268, engine 136 / 270, loop 114 / 161, c 105 / 192, train 70 / 149,
+# attention_training 38 / 55, scan 28 / 44).
 PYTEST_PARTS := $(addprefix test-pytest-,a b d engine loop c train attention_training scan)
 
 # nbval in three processes, each a group of notebooks with its own output folder; a notebook whose
 # checkpoint others read runs before them in their group (04, 05, 06 and 06b read 03's). Measured in make test
-# (beside another part, 2026-11-28): 03-06 680 s, the rest 352 s, 01, 02 and 09 266 s.
+# (beside another part, 2026-11-28, before 06's split / 2026-11-29, a slow day): 03-06b 680 / 1173 s,
+# the rest 352 / 525 s, 01, 02 and 09 266 / 389 s.
 NBVAL_GROUPS := 03 09 rest
 NBVAL_03 := $(filter notebooks/03_% notebooks/04_% notebooks/05_% notebooks/06_% notebooks/06b_%,$(NOTEBOOKS))
 NBVAL_09 := $(filter notebooks/01_% notebooks/02_% notebooks/09_%,$(NOTEBOOKS))
