@@ -1,5 +1,5 @@
 """Serving, side by side, in one run on one machine: continuous batching over a paged KV cache
-against its baselines (issue 42's targets, and the earlier serving issues' that still apply).
+against its baselines, with the targets it checks (below).
 
     python benchmarks/serve.py            # ~40 minutes; writes results/serve.json and results/serve_*.png
     python benchmarks/serve.py --quick    # ~3 minutes: 8 short requests, a 2-layer model, 1 repetition; a temp folder
@@ -72,7 +72,7 @@ less the time its compiled programs ran (`profile.host_ms`), median over the ste
 Python thread's time in PjRt's "Wait for donation holds" per step, where it waits for the device.
 `--host-only` runs this part alone and updates it in the saved JSON.
 
-Structured output (issue 61): the compiled engine on the workload all at once, every request
+Structured output: the compiled engine on the workload all at once, every request
 under a grammar (a JSON string of exactly its output length, so the token counts match), against
 the same run unconstrained, alternating, REPS times (`constrained`). `--constrained-only` runs
 this part alone and updates it in the saved JSON.
@@ -87,17 +87,17 @@ Compilations: every engine counts those after its warm-up (on_recompile="count")
 workload that compiled is listed in `compile_misses` with its profile (the system, pattern,
 repetition, step, requests in it and the longest block table in pages: what sets its shape).
 
-Targets (met or missed, as measured; never asserted). Issues 42's and 59's, for the compiled
-engine unless said: requests in flight on the workload all at once, median over repetitions of
-the peak, >= 2x the fixed-slot engine's 8 (the mean over steps reported beside it); >= 1.5x
-hf-cb tokens/s all at once and at 100% load; TPOT p50 <= 0.7x hf-cb's at 50% load; each path's
+Targets (met or missed, as measured; never asserted), for the compiled engine unless said:
+requests in flight on the workload all at once, median over repetitions of the peak, >= 2x the
+fixed-slot engine's 8 (the mean over steps reported beside it); >= 1.5x hf-cb tokens/s all at
+once and at 100% load; TPOT p50 <= 0.7x hf-cb's at 50% load; each path's
 decode step at batch 1 and 8 in the N-page pool <= 1.2x the step in the tenth-size pool; TTFT
 with the 1,024-token prefix cached <= 0.2x uncached (each path); 0 compilations after warm-up
 (every engine, the server); the workload engine's warm-up at most as many programs as the
 engine it replaced (BEFORE_PROGRAMS, which took BEFORE_WARMUP_S on this CPU); the batch-1
 decode step <= `Generator`'s compiled step and <= 0.8x HF eager's; host time per batch-8 decode
 step <= 1 ms; more tokens/s than the lazy path (else the lazy path is the default here); HTTP
-overhead <= 10%. Issue 61's: tokens/s with every request constrained >= 0.85x unconstrained.
+overhead <= 10%. With grammars: tokens/s with every request constrained >= 0.85x unconstrained.
 
 Dropped: engine / static tokens/s within 10% of the ceiling (static's decode steps / the
 engine's): the ceiling counted steps of 8 fixed slots against static's batches of 8, each step
@@ -153,7 +153,7 @@ DECODE_PROMPT = 32
 STEP_BUCKETS = (1, SLOTS)  # the decode-step engines' token buckets: a decode step of 1 request, of SLOTS
 PREFIX_REPS = 5  # cached and uncached requests timed in the prefix-caching part, each
 HF_BATCH_TOKENS = 512  # Hugging Face continuous batching's tokens per step
-BEFORE_PROGRAMS, BEFORE_WARMUP_S = 26, 106  # the workload engine's warm-up at 98b1af4 (buckets (16, 32, 64, 128, 256))
+BEFORE_PROGRAMS, BEFORE_WARMUP_S = 26, 106  # the workload engine's warm-up with token buckets (16, 32, 64, 128, 256)
 
 
 @dataclasses.dataclass
@@ -689,7 +689,7 @@ def targets(result):
     default = "engine-compiled" if result["default_compile"] else "engine-lazy"  # Engine's compile=None here
     rows.append((f"compiled engine faster than the lazy one, or the lazy one is the default here (default: {default})",
                  spread(x), np.median(x) > 1 or default == "engine-lazy"))
-    if "constrained" in result:  # issue 61's row (results before it have none)
+    if "constrained" in result:  # the structured-output part (older results have none)
         by = {(r["system"], r["rep"]): r["tokens_per_s"] for r in result["constrained"]}
         x = [by["engine-compiled-constrained", k] / by["engine-compiled", k] for k in range(result["setup"]["reps"])]
         rows.append(("compiled engine tokens/s with every request constrained by a grammar >= 0.85x unconstrained "
