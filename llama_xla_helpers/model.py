@@ -205,10 +205,10 @@ class Linear(nn.Module):
     """A bias-free nn.Linear whose weight is stored transposed, (in_features, out_features),
     so the forward is `x @ weight_t`.
 
-    On the XLA CPU backend that layout runs a decode step's matmuls several times faster than
-    F.linear on nn.Linear's (out_features, in_features) weight, which XLA lowers to a transpose
-    of the weight feeding the dot (benchmarks/decode.py); on a TPU, XLA picks the layout either
-    way. The stored layout stays behind the module: `weight` is the (out, in) view, and
+    Chosen for the XLA CPU backend, where F.linear on nn.Linear's (out_features, in_features)
+    weight lowers to a transpose of the weight feeding the dot (an earlier decode benchmark ran
+    slower with it; the committed one does not compare the two); on a TPU, XLA picks the layout
+    either way. The stored layout stays behind the module: `weight` is the (out, in) view, and
     `state_dict` / `load_state_dict` read and write nn.Linear's (out, in) `weight`, so Hugging
     Face checkpoints load unchanged and `parallel.param_spec` names (out, in) dims.
     """
