@@ -28,7 +28,8 @@ only rebinds the pending graph, so the next sync updates each buffer in place, a
 would. `Caches` does the same for `Generator`'s fixed-slot caches.
 
 Sources: vLLM v1's model runners, https://github.com/vllm-project/vllm (vllm/v1/worker/); torch_xla's
-buffer donation under torch.compile, https://github.com/pytorch/xla/blob/v2.9.0/docs/source/perf/dynamo.md
+`dynamo_set_buffer_donor_`, https://github.com/pytorch/xla/blob/v2.9.0/torch_xla/_internal/custom_kernel.py#L35-L48,
+and its use under torch.compile, https://github.com/pytorch/xla/blob/v2.9.0/test/dynamo/test_dynamo_aliasing.py
 """
 import functools
 import itertools

@@ -457,7 +457,7 @@ def test_a_short_pool_preempts_and_recomputes_without_changing_a_token():
     sampled = [eng.submit(p, 12, temperature=0.9, seed=i) for i, p in enumerate(ps[1:5])]
     run(eng, greedy + sampled)
     m = eng.metrics()
-    assert m["preemptions_total"] > 0 and any(r.preemptions for r in greedy + sampled)
+    assert m["preemptions_total"] > 0 and any(r.preemptions for r in sampled)  # a seeded request recomputed too
     assert m["prefix_hits_total"] > 0 and m["pages_used"] == 0
     assert [r.tokens for r in greedy] == list(expected()[1:5])
     alone = engine()
