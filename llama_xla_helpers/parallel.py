@@ -18,8 +18,8 @@ heads on 16 chips); the CLI does the same to a checkpoint directory:
     python -m llama_xla_helpers.parallel reshard SRC DST --factor 2
 
 Sources: the Llama 3.1 70B post, Subrata Goswami, "Under the Hood of Llama 3.1 70B Distributed
-Inference", Medium, September 2024 (found by its title:
-https://medium.com/search?q=Under%20the%20Hood%20of%20Llama%203.1%2070B%20Distributed%20Inference);
+Inference", Medium, September 2024,
+https://whatdhack.medium.com/under-the-hood-of-llama-3-1-70b-distributed-inference-8b3c03886f22;
 the Llama 2 post, "High-Performance Llama 2 Training and Inference with PyTorch/XLA on Cloud TPUs",
 PyTorch blog, https://pytorch.org/blog/high-performance-llama-2/
 """
