@@ -70,7 +70,8 @@ Host time per decode step, each engine path at batch 8 (the N-page pool): HOST_S
 steps under the profiler, each in `profile.marker`; a step's wall time (to the next step's start)
 less the time its compiled programs ran (`profile.host_ms`), median over the steps; and the
 Python thread's time in PjRt's "Wait for donation holds" per step, where it waits for the device.
-`--host-only` runs this part alone and updates it in the saved JSON.
+Then the host's parts, timed in HOST_STEPS more steps (`host_parts`), and the step's inputs again
+with no program between. `--host-only` runs this part alone and updates it in the saved JSON.
 
 Structured output: the compiled engine on the workload all at once, every request
 under a grammar (a JSON string of exactly its output length, so the token counts match), against
@@ -434,11 +435,8 @@ def host_ms(engine):
     """A decode step with every slot busy, HOST_STEPS steps under the profiler, each in a profile.marker
     (module docstring): {host_ms, profiled_step_ms: medians; donation_wait_ms: the Python thread's
     mean time per step in PjRt's "Wait for donation holds", where it waits for the previous
-    program to release the buffers it donates}."""
-    reqs = [engine.submit([1 + b] * DECODE_PROMPT, HOST_STEPS + 8) for b in range(engine.slots)]
-    while not all(len(r.tokens) > 2 for r in reqs):  # prefilled and decoding
-        engine.step()
-    xm.wait_device_ops()
+    program to release the buffers it donates}, and the host's parts alone (`host_parts`)."""
+    reqs = decoding(engine)
     with tempfile.TemporaryDirectory() as logdir:
         xp.start_trace(logdir)
         try:
@@ -451,10 +449,60 @@ def host_ms(engine):
         wall, device = np.array(profile.host_ms(logdir, "engine step")).T
         waits = sum(e.duration_ms for e in profile.read_events(logdir)
                     if e.name == "Wait for donation holds" and e.thread == "python")
+    finish(engine, reqs)
+    return dict(host_ms=float(np.median(wall - device)), profiled_step_ms=float(np.median(wall)),
+                donation_wait_ms=waits / HOST_STEPS) | host_parts(engine)
+
+
+def decoding(engine):
+    """A request in every slot, each with HOST_STEPS + 8 tokens to make, prefilled and decoding."""
+    reqs = [engine.submit([1 + b] * DECODE_PROMPT, HOST_STEPS + 8) for b in range(engine.slots)]
+    while not all(len(r.tokens) > 2 for r in reqs):
+        engine.step()
+    xm.wait_device_ops()
+    return reqs
+
+
+def finish(engine, reqs):
     while not all(r.done for r in reqs):
         engine.step()
-    return dict(host_ms=float(np.median(wall - device)), profiled_step_ms=float(np.median(wall)),
-                donation_wait_ms=waits / HOST_STEPS)
+
+
+def host_parts(engine):
+    """The host's parts of HOST_STEPS decode steps, medians, ms: inputs_ms (`runner.inputs`: the
+    step's layout and its two transfers), call_ms (the program's call: compiled, Dynamo's guards,
+    torch_xla's bridge and the launch; lazy, tracing the step), read_ms (`Engine.collect`: reading the
+    step before's tokens, which waits for its program if it still runs), and inputs_alone_ms (the
+    last step's `runner.inputs` again, HOST_STEPS times back to back: the same host work without a
+    program between, which on this CPU runs on the host's cores and through their caches)."""
+    runner, times, args = engine.runner, {"inputs": [], "call": [], "read": []}, {}
+
+    def timed(name, fn):
+        def run(*a):
+            start = time.perf_counter()
+            out = fn(*a)
+            times[name].append(time.perf_counter() - start)
+            args[name] = a
+            return out
+        return run
+
+    reqs, program = decoding(engine), runner.program
+    runner.inputs, runner.program, engine.collect = \
+        timed("inputs", runner.inputs), timed("call", program), timed("read", engine.collect)
+    try:
+        for _ in range(HOST_STEPS):
+            engine.step()
+    finally:
+        del runner.inputs, engine.collect  # the methods again
+        runner.program = program
+    inputs = runner.inputs
+    alone = []
+    for _ in range(HOST_STEPS):
+        start = time.perf_counter()
+        inputs(*args["inputs"])
+        alone.append(time.perf_counter() - start)
+    finish(engine, reqs)
+    return {f"{name}_ms": 1e3 * float(np.median(t)) for name, t in (*times.items(), ("inputs_alone", alone))}
 
 
 def engine_steps(hf, setup):
@@ -470,7 +518,8 @@ def engine_steps(hf, setup):
                    for pages in (big, small)}
         for batch in (1, SLOTS):
             row = dict(system=system, batch=batch, pool_pages=big, small_pool_pages=small, host_ms=None,
-                       profiled_step_ms=None, donation_wait_ms=None,
+                       profiled_step_ms=None, donation_wait_ms=None, inputs_ms=None, call_ms=None, read_ms=None,
+                       inputs_alone_ms=None,
                        first_warmup_s=engines[big].warmup_s if batch == 1 else None)
             before = sum(e.compiles_since_warmup for e in engines.values())
             for key, engine in zip(("pool_ms", "small_pool_ms"), engines.values()):
@@ -685,6 +734,12 @@ def targets(result):
     host = {system: step[system, SLOTS]["host_ms"] for system in ENGINES}
     rows.append((f"compiled engine host time per decode step at batch {SLOTS} <= 1 ms",
                  ", ".join(f"{system} {ms:.1f} ms" for system, ms in host.items()), host["engine-compiled"] <= 1))
+    parts = step["engine-compiled", SLOTS]
+    if parts.get("inputs_ms") is not None:  # the host's parts (older results have none)
+        work = parts["inputs_ms"] + parts["call_ms"] + parts["read_ms"]
+        rows.append((f"compiled engine host work per decode step at batch {SLOTS} (inputs, call, read) <= 1 ms",
+                     f"{work:.2f} ms (inputs {parts['inputs_ms']:.2f}, call {parts['call_ms']:.2f}, read "
+                     f"{parts['read_ms']:.2f}; the inputs alone {parts['inputs_alone_ms']:.2f})", work <= 1))
     x = ratios(result, ("engine-compiled", "all-at-once"), ("engine-lazy", "all-at-once"))
     default = "engine-compiled" if result["default_compile"] else "engine-lazy"  # Engine's compile=None here
     rows.append((f"compiled engine faster than the lazy one, or the lazy one is the default here (default: {default})",

@@ -13,8 +13,8 @@ stays on the device (`last`, one row per slot) and the step takes it from there 
 The host lays the step out (`ragged_layout`, `ModelRunner.inputs`) in a few shapes: T tokens, P
 pages (per block table for the kernel, in all for the flat path) and, for a step the flat path
 splits in two, C pages of its prompt chunks, each rounded up to a bucket, so after warm-up nothing
-compiles, and hands it over in two transfers, one of integers and one of
-floats (`packed`), which the program slices.
+compiles, and hands it over in two transfers, one of integers (the grammar's token bitmask
+among them) and one of floats (`packed`), which the program slices.
 
 The step takes the pages as arguments and returns the new ones (`PagedCache` writes out of place).
 That is what makes a torch.compile'd program update them in place: XLA writes an output into an
@@ -259,16 +259,20 @@ class PagedCache(nn.Module):
 
 
 def packed(fields, put, dtype):
-    """fields {name: a host list, or a list of equal lists (2-D), or None: left out} as one device
-    tensor of dtype (one transfer, `put`) and its layout ((name, shape), ...), which `unpacked`
-    slices back inside the program."""
-    flat, layout = [], []
+    """fields {name: a host list, a list of equal lists (2-D), a host tensor, or None: left out} as
+    one device tensor of dtype (one transfer, `put`) and its layout ((name, shape), ...), which
+    `unpacked` slices back inside the program."""
+    parts, flat, layout = [], [], []
     for name, value in fields.items():
-        if value is not None:
+        if isinstance(value, torch.Tensor):
+            parts += [torch.tensor(flat, dtype=dtype), value.flatten().to(dtype)]
+            flat = []
+            layout.append((name, tuple(value.shape)))
+        elif value is not None:
             rows = value and isinstance(value[0], list)
             flat += itertools.chain.from_iterable(value) if rows else value
             layout.append((name, (len(value), len(value[0])) if rows else (len(value),)))
-    return put(torch.tensor(flat, dtype=dtype)), tuple(layout)
+    return put(torch.cat(parts + [torch.tensor(flat, dtype=dtype)])), tuple(layout)
 
 
 def unpacked(flat, layout):
@@ -281,7 +285,7 @@ GREEDY_ROWS = 16  # the fewest sampler rows whose steps have an argmax variant (
 KERNEL_ARGS = RaggedBatch._fields[:4]  # int32 on the device: the kernel's JAX side takes int32
 
 
-def step_program(model, views, pages, pin, last, counts, bias, ints, floats, bitmask, layout, greedy=False, eos=()):
+def step_program(model, views, pages, pin, last, counts, bias, ints, floats, layout, greedy=False, eos=()):
     """One ragged step (`Llama.ragged`): the tokens of every request it runs on one flat axis.
 
     ints, floats: the step's inputs, each packed in one tensor (`packed`; layout: their names and
@@ -295,18 +299,17 @@ def step_program(model, views, pages, pin, last, counts, bias, ints, floats, bit
     ids may not be sampled, a request short of its min_tokens), temperature, top_p, presence and
     frequency (penalties). Per logit_bias entry written this step (LOGIT_BIAS_MAX, padded with
     zeros at the spare row): bias_rows, bias_ids, bias_values. Then the fields of
-    `attention.RaggedBatch`.
+    `attention.RaggedBatch`, and bitmask (slots + 1, ceil(vocab_size / 32)): each slot's grammar's
+    allowed tokens for this step (`sampling.allowed_by`; -1, every token, for the others).
 
     State per slot, (slots + 1, vocab_size) each, updated here and returned: counts (int32, the
     times its request generated each token: a fresh request's row is zeroed, then every generated
     input token is added; the token sampled here is counted when it runs as an input), bias
-    (fp32, its request's logit_bias: zeroed for a fresh request, then the entries written).
-    bitmask (slots + 1, ceil(vocab_size / 32)) int32: each slot's grammar's allowed tokens for this
-    step (`sampling.allowed_by`; -1, every token, for the others). A sequence samples from
-    `sampling.adjusted` logits of its `write_to` row. greedy: every sequence that samples is greedy
-    and none asks for log-probabilities, so the program is an argmax (a variant of its own: no
-    top-k over the vocabulary, no log-softmax). eos: the model's EOS ids (a constant of the
-    program).
+    (fp32, its request's logit_bias: zeroed for a fresh request, then the entries written). A
+    sequence samples from `sampling.adjusted` logits of its `write_to` row. greedy: every sequence
+    that samples is greedy and none asks for log-probabilities, so the program is an argmax (a
+    variant of its own: no top-k over the vocabulary, no log-softmax). eos: the model's EOS ids (a
+    constant of the program).
 
     Returns (a sampled token per sequence (S,), their `logprobs_of` (of the model's logits, before
     any adjustment or mask) or None if greedy, the prompt's `logprobs_of` (T, ...) or None, last,
@@ -327,7 +330,8 @@ def step_program(model, views, pages, pin, last, counts, bias, ints, floats, bit
     logits = logits if targets is None else logits[logits_at]  # (S, vocab_size)
     pos = batch.positions[logits_at]  # (S,) the position each samples from
     row = x["write_to"]
-    masked = adjusted(logits, bias[row], counts[row], x["presence"], x["frequency"], bitmask[row])  # (S, vocab_size)
+    allowed = x["bitmask"].int()[row]  # (S, ceil(vocab_size / 32))
+    masked = adjusted(logits, bias[row], counts[row], x["presence"], x["frequency"], allowed)  # (S, vocab_size)
     if eos:
         is_eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         is_eos[list(eos)] = True  # (vocab_size,)
@@ -479,7 +483,8 @@ class ModelRunner:
                     write_to=[r.slot if samples else self.slots for r, _, _, samples in entries] + [self.slots] * s,
                     seed=[r.seed for r, *_ in entries] + [0] * s, top_k=[r.top_k for r, *_ in entries] + [0] * s,
                     no_eos=[int(start + n - len(r.prompt) < r.min_tokens) for r, start, n, _ in entries] + [0] * s,
-                    bias_rows=[w[0] for w in writes], bias_ids=[w[1] for w in writes], **layout)
+                    bias_rows=[w[0] for w in writes], bias_ids=[w[1] for w in writes], **layout,
+                    bitmask=self.bitmask(entries))
         floats = dict(temperature=[r.temperature for r, *_ in entries] + [0.0] * s,
                       top_p=[r.top_p for r, *_ in entries] + [1.0] * s,
                       presence=[r.presence_penalty for r, *_ in entries] + [0.0] * s,
@@ -487,13 +492,12 @@ class ModelRunner:
                       bias_values=[w[2] for w in writes])
         (ints, int_layout), (floats, float_layout) = packed(ints, self.put, torch.long), \
             packed(floats, self.put, torch.float32)
-        return ints, floats, self.put(self.bitmask(entries)), (int_layout, float_layout)
+        return ints, floats, (int_layout, float_layout)
 
     def bitmask(self, entries):
         """The step's grammar bitmask on the host: each sampling request's grammar fills its slot's
         row (xgrammar's `fill_next_token_bitmask`: its matcher has every token so far, the engine
-        reads them first), every other bit is set. Put afresh every step, as `put_replicated` says
-        (measured: 0.08-0.14 ms of host time on this CPU, for 512 to 128256 token ids)."""
+        reads them first), every other bit is set. Sent with the step's integers (`inputs`)."""
         constrained = [r for r, _, _, samples in entries if samples and r.grammar is not None]
         if not constrained:
             return self.any_token

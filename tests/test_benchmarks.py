@@ -33,6 +33,7 @@ def test_serve_benchmark_quick_runs_every_system_and_reports_every_target():
         *[f"{system} TTFT with a cached 64-token prefix" for system in engines],
         "0 compilations after warm-up", "compiled engine step at batch 1", "compiled engine step at batch 1",
         "compiled engine host time per decode step at batch 8",
+        "compiled engine host work per decode step at batch 8 (inputs, call, read)",
         "compiled engine faster than the lazy one, or the lazy one is the default here (default: engine-lazy)",
         "compiled engine tokens/s with every request constrained by a grammar", "HTTP overhead"]
     assert all(set(t) == {"target", "measured", "met"} and isinstance(t["met"], bool) for t in result["targets"])
@@ -47,6 +48,9 @@ def test_serve_benchmark_quick_runs_every_system_and_reports_every_target():
     assert (len(timeline), max(map(len, timeline))) == (last["steps"], last["in_flight_peak"])
     host = {r["system"]: r["host_ms"] for r in result["engine_decode"] if r["batch"] == 8}
     assert set(host) == set(engines) and all(0 < ms < 1000 for ms in host.values())
+    parts = [r[k] for r in result["engine_decode"] if r["batch"] == 8
+             for k in ("inputs_ms", "call_ms", "read_ms", "inputs_alone_ms")]
+    assert len(parts) == 8 and all(0 < ms < 1000 for ms in parts)
     assert {(r["pool_pages"], r["small_pool_pages"]) for r in result["engine_decode"]} == {(33, 25)}
     prefix = {r["system"]: r for r in result["prefix_caching"]}
     assert set(prefix) == set(engines)

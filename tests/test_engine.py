@@ -339,6 +339,23 @@ def test_a_grammar_constrains_every_token_greedy_or_sampled_and_ends_the_request
         eng.submit(ps[0], 8, min_tokens=2, grammar=compiled)
 
 
+def test_a_steps_integers_and_its_bitmask_go_in_one_transfer_and_come_back_whole():
+    """`runner.packed` puts a step's lists, 2-D lists and a host tensor (the grammar's int32 bitmask,
+    words with bit 31 set among them) in one int64 tensor, through one `put`; `unpacked` gives each
+    back with its values and shape, the bitmask's too once cast back to int32."""
+    from llama_xla_helpers.runner import packed, unpacked
+    mask = torch.tensor([[-1, -2 ** 31], [5, 2 ** 31 - 1]], dtype=torch.int32)
+    fields = dict(tokens=[3, 1, 4], targets=None, rows=[[1, 5], [9, 2]], bitmask=mask, seq=[6])
+    puts = []
+    flat, layout = packed(fields, lambda t: puts.append(t) or t, torch.long)
+    assert len(puts) == 1 and flat.dtype == torch.long and flat.numel() == 3 + 4 + 4 + 1
+    x = unpacked(flat, layout)
+    assert set(x) == {"tokens", "rows", "bitmask", "seq"}
+    for name in x.keys() - {"bitmask"}:
+        assert x[name].tolist() == fields[name]
+    assert torch.equal(x["bitmask"].int(), mask)
+
+
 def test_cancel_frees_the_slot():
     eng = engine(slots=1)
     first, second = eng.submit(prompts()[0], 50), eng.submit(prompts()[1], 11)
