@@ -469,20 +469,22 @@ def finish(engine, reqs):
 
 
 def host_parts(engine):
-    """The host's parts of HOST_STEPS decode steps, medians, ms: inputs_ms (`runner.inputs`: the
-    step's layout and its two transfers), call_ms (the program's call: compiled, Dynamo's guards,
-    torch_xla's bridge and the launch; lazy, tracing the step), read_ms (`Engine.collect`: reading the
-    step before's tokens, which waits for its program if it still runs), and inputs_alone_ms (the
-    last step's `runner.inputs` again, HOST_STEPS times back to back: the same host work without a
-    program between, which on this CPU runs on the host's cores and through their caches)."""
-    runner, times, args = engine.runner, {"inputs": [], "call": [], "read": []}, {}
+    """The host's parts of HOST_STEPS decode steps (after those `host_ms` profiles), medians, ms:
+    inputs_ms (`runner.inputs`: the step's layout and its two transfers), call_ms (the program's
+    call: compiled, Dynamo's guards, torch_xla's bridge and the launch; lazy, tracing the step, its
+    sync not included), read_ms (`Engine.collect`: reading the step before's tokens, which waits
+    for its program if it still runs), and inputs_alone_ms (the last step's `runner.inputs` again,
+    HOST_STEPS times back to back once every program has finished: the same host work with no
+    program between; its requests' newest tokens now come from the host, not the device)."""
+    runner, times, args = engine.runner, {"inputs": [], "call": [], "read": []}, []
 
     def timed(name, fn):
         def run(*a):
             start = time.perf_counter()
             out = fn(*a)
             times[name].append(time.perf_counter() - start)
-            args[name] = a
+            if name == "inputs":
+                args[:] = a
             return out
         return run
 
@@ -495,11 +497,11 @@ def host_parts(engine):
     finally:
         del runner.inputs, engine.collect  # the methods again
         runner.program = program
-    inputs = runner.inputs
-    alone = []
+    inputs, alone = runner.inputs, []
+    xm.wait_device_ops()
     for _ in range(HOST_STEPS):
         start = time.perf_counter()
-        inputs(*args["inputs"])
+        inputs(*args)
         alone.append(time.perf_counter() - start)
     finish(engine, reqs)
     return {f"{name}_ms": 1e3 * float(np.median(t)) for name, t in (*times.items(), ("inputs_alone", alone))}

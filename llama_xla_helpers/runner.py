@@ -33,6 +33,7 @@ and its use under torch.compile, https://github.com/pytorch/xla/blob/v2.9.0/test
 """
 import functools
 import itertools
+import math
 
 import torch
 import torch.nn as nn
@@ -277,7 +278,7 @@ def packed(fields, put, dtype):
 
 def unpacked(flat, layout):
     """{name: tensor} from one of `packed`'s tensors (on the device: views, no transfer)."""
-    sizes = [shape[0] * (shape[1] if len(shape) > 1 else 1) for _, shape in layout]
+    sizes = [math.prod(shape) for _, shape in layout]
     return {name: part.view(shape) for (name, shape), part in zip(layout, flat.split(sizes))}
 
 
