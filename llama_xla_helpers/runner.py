@@ -405,10 +405,10 @@ class ModelRunner:
                                  self.mesh, spec, shape) for _ in self.model.layers]
         self.last = self.put(torch.zeros(slots + 1, dtype=torch.long))  # each slot's newest token; a spare row
         # Each slot's counts of its request's generated tokens and its logit_bias (`step_program`), and on the host the
-        # grammar bitmask of a step with no grammar: every bit set
+        # grammar bitmask of a step with no grammar: every bit set, in the step's integer dtype (`inputs`)
         self.counts = self.put(torch.zeros(slots + 1, args.vocab_size, dtype=torch.int32))
         self.bias = self.put(torch.zeros(slots + 1, args.vocab_size))
-        self.any_token = torch.full((slots + 1, -(-args.vocab_size // 32)), -1, dtype=torch.int32)
+        self.any_token = torch.full((slots + 1, -(-args.vocab_size // 32)), -1, dtype=torch.long)
         self.whole = pages_for(args.max_seq_len, page_size)  # a whole context's block table
         self.page_buckets = (self.whole,) if self.kernel else growing(8, num_pages - 1, 4)  # the pool bounds the flat keys
         self.compile, self.eos = compile, tuple(eos)  # eos: the ids min_tokens masks
@@ -498,14 +498,15 @@ class ModelRunner:
     def bitmask(self, entries):
         """The step's grammar bitmask on the host: each sampling request's grammar fills its slot's
         row (xgrammar's `fill_next_token_bitmask`: its matcher has every token so far, the engine
-        reads them first), every other bit is set. Sent with the step's integers (`inputs`)."""
+        reads them first), every other bit is set. Sent with the step's integers (`inputs`), as int64:
+        a step with no grammar sends `any_token` as it is."""
         constrained = [r for r, _, _, samples in entries if samples and r.grammar is not None]
         if not constrained:
             return self.any_token
-        mask = self.any_token.clone()
+        mask = self.any_token.int()  # xgrammar fills int32
         for r in constrained:
             r.grammar.fill_next_token_bitmask(mask, r.slot)
-        return mask
+        return mask.long()
 
     def step(self, entries, echo=False, shape=None, greedy=None):
         """Launch one step for the plan's entries; returns its device outputs (a token per sequence
