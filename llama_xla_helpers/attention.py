@@ -34,8 +34,9 @@ has written, which sit in the pages its block table lists (`kv_pages.py`). On a 
 torch_xla's ragged paged attention kernel (vLLM's), wrapped in one custom op that
 torch.compile traces (`paged_kernel`). Elsewhere (`flat_attention`) the step gathers the pages of
 its sequences once onto one flat key axis and masks each query to its own sequence's keys, in
-fixed shapes, from a pool laid out heads first with K and V apart (`write_heads`), the layout
-XLA:CPU's batched matmuls read without copying it again.
+fixed shapes, from a pool laid out with K and V apart, each heads first (`write_heads`), the
+layout XLA:CPU's batched matmuls read without copying it again; a step whose key bucket is the
+whole pool reads it in place, with no gather.
 """
 import functools
 from functools import partial
@@ -327,8 +328,8 @@ class RaggedBatch(NamedTuple):
     positions: torch.Tensor  # (T,) each token's position in its sequence (padding: 0)
     slots: torch.Tensor  # (T,) where its key and value go: page * page_size + position % page_size (padding: page 0)
     token_seq: torch.Tensor = None  # (T,) each token's sequence (padding: 0)
-    key_pages: torch.Tensor = None  # (K,) the pages the step reads (padding: page 0)
-    key_start: torch.Tensor = None  # (K,) the position of each one's first key in the sequences that hold it (padding: NO_KEY)
+    key_pages: torch.Tensor = None  # (K,) the pages the step reads (padding: page 0), or the whole pool in order
+    key_start: torch.Tensor = None  # (K,) the position of each one's first key in the sequences that hold it (NO_KEY: none)
     decode: torch.Tensor = None  # (D,) the flat index of each query of a one-token run (padding: 0)
     chunk_pages: torch.Tensor = None  # (C,) the pages of the sequences with more than one query (padding: page 0)
     chunk_start: torch.Tensor = None  # (C,) as key_start
@@ -361,25 +362,29 @@ def write_pages(pages, batch, k, v):
 
 
 def write_heads(pool, batch, k, v):
-    """pool (g, 2, num_pages, page_size, head_dim), the flat path's layout (heads first, K and V
-    apart), with this step's k, v (T, g, head_dim) written at `batch.slots`: one index_copy on the
+    """pool (2, g, num_pages, page_size, head_dim), the flat path's layout (K and V apart, each heads
+    first), with this step's k, v (T, g, head_dim) written at `batch.slots`: one index_copy on the
     pool seen as rows of head_dim, 2g rows per token (so never the one-row write `write_pages`
     avoids). Out of place, donated: XLA writes in place."""
-    g, _, num_pages, page_size, _ = pool.shape
-    kv = torch.stack([k, v], dim=1).permute(2, 1, 0, 3)  # (g, 2, T, head_dim)
+    _, g, num_pages, page_size, _ = pool.shape
+    kv = torch.stack([k, v]).transpose(1, 2)  # (2, g, T, head_dim)
     rows = torch.arange(2 * g, device=k.device)[:, None] * (num_pages * page_size) + batch.slots  # (2g, T)
     return pool.flatten(0, 3).index_copy(0, rows.flatten(), kv.flatten(0, 2)).view(pool.shape)
 
 
 def keys_attention(q, pool, pages, start, batch, seq, pos, scale):
     """q (Q, heads, head_dim), queries of sequences `seq` (Q,) at positions `pos` (Q,), over the keys of
-    `pages` (K,) gathered from pool (g, 2, num_pages, page_size, head_dim) onto one axis, each page's
+    `pages` (K,) gathered from pool (2, g, num_pages, page_size, head_dim) onto one axis, each page's
     first key at position `start` (K,): each query reads those in its own sequence's block table
-    (`batch.page_indices`) at positions up to its own. -> (Q, heads, head_dim). A query that keeps
-    no key gets a finite average, never NaN (a NaN there would reach a page through the next layer)."""
-    g, page_size = pool.shape[0], pool.shape[3]
-    kv = pool[:, :, pages].flatten(2, 3)  # (g, 2, L, head_dim), L = K * page_size
-    k, v = kv[:, 0], kv[:, 1]  # (g, L, head_dim)
+    (`batch.page_indices`) at positions up to its own. -> (Q, heads, head_dim). K = num_pages: the
+    pages are the whole pool in order (`runner.ragged_layout`), read in place, with no gather (a
+    step over most of the pool would copy most of it: measured on the CPU, one layer of the
+    serving benchmark's model over its 97 pages, about a quarter of the attention's time). A query
+    that keeps no key gets a finite average, never NaN (a NaN there would reach a page through the
+    next layer)."""
+    g, page_size = pool.shape[1], pool.shape[3]
+    kv = (pool if pages.shape[0] == pool.shape[2] else pool[:, :, pages]).flatten(2, 3)  # (2, g, L, head_dim)
+    k, v = kv[0], kv[1]  # (g, L, head_dim), L = K * page_size
     held = (batch.page_indices[:, :, None] == pages).any(dim=1)  # (S, K): the pages of each block table
     key_pos = (start[:, None] + torch.arange(page_size, device=q.device)).flatten()  # (L,)
     keep = held[seq].repeat_interleave(page_size, dim=1) & (key_pos <= pos[:, None])  # (Q, L)
@@ -394,8 +399,9 @@ def flat_attention(q, pool, batch, scale):
     gathered once onto one flat key axis (`batch.key_pages`, K pages: its cost follows the step's
     keys, not its longest block table times its tokens), and each query reads the keys of the
     pages in its own sequence's block table, at positions up to its own (`keys_attention`).
-    pool: (g, 2, num_pages, page_size, head_dim) (`write_heads`), so the gathered keys are (g, L,
-    head_dim), the batched dot's operand, and nothing is laid out again.
+    pool: (2, g, num_pages, page_size, head_dim) (`write_heads`), so the gathered keys are (g, L,
+    head_dim), the batched dot's operand, and nothing is laid out again; a step whose K is the
+    whole pool reads it where it is.
 
     Every query scores every key of the step, T x K x page_size, so a step with a long prompt chunk
     beside many decoding requests is split in two (`batch.decode` set): all T queries over the
@@ -511,7 +517,7 @@ def ragged_attention(q, pages, batch, scale, mesh=None):
     its own sequence's keys and values in `pages` as `batch` (a RaggedBatch) lays out. The layout
     says the path (the runner allocates the one `uses_kernel` picks): the kernel's (num_pages,
     page_size, 2 * g, head_dim) goes to the ragged kernel (its PyTorch reference where kernels do
-    not execute), the flat path's (g, 2, num_pages, page_size, head_dim) to `flat_attention`. Both
+    not execute), the flat path's (2, g, num_pages, page_size, head_dim) to `flat_attention`. Both
     compute the same thing (tests compare them, and lower the kernel for the TPU)."""
     if pages.dim() == 5:
         return flat_attention(q, pages, batch, scale)

@@ -48,14 +48,12 @@ the next token needs the token before it (`grammar.py`).
 compile: the runner's program goes through `torch.compile(backend="openxla")`, traced once per
 shape, and the pages are donated, so XLA writes them in place (runner.py). Without it, each step
 traces the model again as lazy tensors, which costs host time at every step. The default
-(`runner.default_compile`): compiled on a TPU, lazy elsewhere. Measured on a 2-core CPU
-(benchmarks/serve.py, its 56M model, medians of 3): compiled serves 169.6 tokens/s all at once
-against lazy's 93.5 (the median of the repetitions' own ratios: 1.60x), with 3.3 ms of host time
-per batch-8 decode step against 20.6; but its warm-up compiles every program first (25 in 137 s
-against 56 s lazy, the run's log). At that workload's rate a run of fewer than about 17,000
-tokens therefore ends sooner lazy (the 81 s more of warm-up over the 4.8 ms saved per token,
-1 / 93.5 - 1 / 169.6 s), so off a TPU, where the runs are tests, notebooks and short scripts, the
-default stays lazy, and a server here should pass compile=True (`serve --compile`).
+(`runner.default_compile`) is compiled on every device, the path the benchmark measures faster.
+Measured on a 2-core CPU (benchmarks/serve.py, its 56M model, medians of 3, 2026-12-07):
+compiled serves 179.0 tokens/s all at once against lazy's 102.9 (the median of the repetitions'
+own ratios: 1.67x), with 3.5 ms of host time per batch-8 decode step against 27.6; but its
+warm-up compiles every program first (25 in 150 s), so the tests and notebooks that serve a few
+requests off a TPU pass compile=False.
 
 Token buckets (`default_buckets`): from 16 on a TPU, whose kernel and matrix units want 16 rows
 and more; from 4 elsewhere, where a step's cost follows its rows (measured on that CPU, 8 layers,

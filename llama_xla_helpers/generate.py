@@ -133,8 +133,9 @@ class Generator:
     compile=True runs the same step through `torch.compile(backend="openxla")` (Dynamo traces
     the Python once per shape) instead of lazy tensor tracing every call; both compile one
     XLA graph per shape, and both update the KV caches in place (`runner.Caches`: a compiled
-    step's caches are donated). The default (None) is the engine's: compiled on a TPU, where a
-    step takes milliseconds and tracing it every token would dominate; lazy elsewhere. A compiled
+    step's caches are donated). The default (None, `runner.default_compile(engine=False)`):
+    compiled on a TPU, where a step takes milliseconds and tracing it every token would dominate;
+    lazy elsewhere, where a call's few dozen tokens per shape end sooner traced. A compiled
     step's graphs may hold the model's weights as constants (`runner.compiled`): after changing
     them in place, build a new Generator.
     """
@@ -151,7 +152,7 @@ class Generator:
         self.kv_lens = kv_buckets(buckets, model.args.max_seq_len)
         self.pin = replicator(self.model)
         self.put = functools.partial(put_replicated, mesh=getattr(self.model, "mesh", None) or make_mesh())
-        compile = default_compile() if compile is None else compile
+        compile = default_compile(engine=False) if compile is None else compile
         shapes = 2 * (len(prefill_shapes(buckets, model.args.max_seq_len)) + len(self.kv_lens))  # greedy, sampled
         self.step = compiled(step, shapes) if compile else step
         self.caches = Caches(self.model, compile)  # the model's KV caches, in and out of each step

@@ -63,13 +63,15 @@ def pages_read(runs, page_size):
     return every, chunks
 
 
-def ragged_layout(runs, page_size, tokens, seqs, pages, keys=None, chunk=None):
+def ragged_layout(runs, page_size, tokens, seqs, pages, keys=None, chunk=None, pool=None):
     """A ragged step's layout, host lists for `attention.RaggedBatch`: runs (block table, start, n),
     one per sequence (positions start .. start + n - 1 of it go through the model), on a flat axis
     of `tokens` (T) for `seqs` (S) sequences whose block tables are padded to `pages` (P). keys
     (K): the flat path's keys too, the distinct pages of the block tables (`pages_read`), padded to
-    K. chunk (C): the step split in two (`attention.flat_attention`), the flat index of each
-    one-token run's query (padded to S) and the pages of the other runs, padded to C."""
+    K; if K is `pool`, the pool's page count, every page of the pool in order instead (read in
+    place), NO_KEY for those the step does not read. chunk (C): the step split in two
+    (`attention.flat_attention`), the flat index of each one-token run's query (padded to S) and
+    the pages of the other runs, padded to C."""
     out = dict(kv_lens=[], page_indices=[], cu_q_lens=[0], num_seqs=[len(runs)], positions=[], slots=[],
                token_seq=[])
     for i, (table, start, n) in enumerate(runs):
@@ -85,7 +87,9 @@ def ragged_layout(runs, page_size, tokens, seqs, pages, keys=None, chunk=None):
             chunk is not None and len(chunks) > chunk:
         raise ValueError(f"{used} tokens of {len(runs)} sequences do not fit a step of {tokens} tokens, {seqs} "
                          f"sequences, {keys} pages and {chunk} pages of prompt chunks")
-    if keys is not None:
+    if keys is not None and keys == pool:
+        out["key_pages"], out["key_start"] = list(range(pool)), [every.get(page, NO_KEY) for page in range(pool)]
+    elif keys is not None:
         out["key_pages"], out["key_start"] = list(every), list(every.values())
     if chunk is not None:
         out["decode"] = [first for first, (_, _, n) in zip(out["cu_q_lens"], runs) if n == 1]
@@ -168,11 +172,13 @@ class Caches:
         return out
 
 
-def default_compile():
-    """Whether `Engine` and `Generator` compile their programs when not told (compile=None): on a
-    TPU, where a step takes milliseconds and tracing it again at every step would cost more
-    (`engine.py` gives the measured numbers)."""
-    return xr.device_type() == "TPU"
+def default_compile(engine=True):
+    """Whether a program compiles when not told (compile=None): `Engine`'s on every device, the
+    path the serving benchmark measures faster (on the CPU too: `engine.py` gives the numbers);
+    `Generator`'s (engine=False) on a TPU only, where a step takes milliseconds and tracing it
+    every token would dominate (off a TPU a call makes a few dozen tokens per shape, which end
+    sooner traced than after Dynamo traces each shape first)."""
+    return engine or xr.device_type() == "TPU"
 
 
 def compiled(fn, shapes):
@@ -370,16 +376,17 @@ class ModelRunner:
     else traced as lazy tensors at every call.
 
     The pool's layout follows the attention that reads it: the ragged kernel's on a TPU
-    (`attention.write_pages`), heads first with K and V apart elsewhere (`attention.write_heads`,
+    (`attention.write_pages`), K and V apart, each heads first, elsewhere (`attention.write_heads`,
     read by `attention.flat_attention`). Shapes: T tokens (`token_buckets`, the largest the step's
     budget), S = min(T, slots) sequences (the LM head and the sampler run on S rows), and P pages
     (`page_buckets`): the kernel reads each sequence's kv length and takes one P per block table,
     a whole context's; the flat path gathers the step's pages, P of them in all, from 8 growing 4x
     (few programs: each compiles in about 4 s on the CPU) up to what min(T, slots) whole contexts
-    hold. Each (T, P) has the sampler's program; decode-sized steps an argmax one too (`greedy_at`,
-    `step_program`); and on the flat path, steps with a prompt chunk beside decoding requests one
-    per chunk-page bucket C < P, split in two (`splits`, `attention.flat_attention`). A step with
-    prompt log-probabilities runs at the largest (one more program)."""
+    hold, the largest the whole pool, read in place (`attention.keys_attention`). Each (T, P) has
+    the sampler's program; decode-sized steps an argmax one too (`greedy_at`, `step_program`); and
+    on the flat path, steps with a prompt chunk beside decoding requests one per chunk-page bucket
+    C < P, split in two (`splits`, `attention.flat_attention`). A step with prompt
+    log-probabilities runs at the largest (one more program)."""
 
     def __init__(self, model, slots, num_pages, page_size, token_buckets, compile, eos=()):
         self.device = torch_xla.device()
@@ -400,7 +407,7 @@ class ModelRunner:
             shape = (num_pages, page_size, 2 * args.n_kv_heads, kernel_head_dim(args.head_dim))
             spec = (None, None, heads, None)
         else:
-            shape, spec = (args.n_kv_heads, 2, num_pages, page_size, args.head_dim), (heads, None, None, None, None)
+            shape, spec = (2, args.n_kv_heads, num_pages, page_size, args.head_dim), (None, heads, None, None, None)
         self.pages = [to_sharded(lambda index: torch.zeros([s.stop - s.start for s in index], dtype=dtype),
                                  self.mesh, spec, shape) for _ in self.model.layers]
         self.last = self.put(torch.zeros(slots + 1, dtype=torch.long))  # each slot's newest token; a spare row
@@ -410,7 +417,8 @@ class ModelRunner:
         self.bias = self.put(torch.zeros(slots + 1, args.vocab_size))
         self.any_token = torch.full((slots + 1, -(-args.vocab_size // 32)), -1, dtype=torch.long)
         self.whole = pages_for(args.max_seq_len, page_size)  # a whole context's block table
-        self.page_buckets = (self.whole,) if self.kernel else growing(8, num_pages - 1, 4)  # the pool bounds the flat keys
+        self.num_pages = num_pages  # the flat path's largest key bucket: the whole pool, read in place
+        self.page_buckets = (self.whole,) if self.kernel else growing(8, num_pages, 4)
         self.compile, self.eos = compile, tuple(eos)  # eos: the ids min_tokens masks
         self.program = compiled(step_program, len(self.shapes())) if compile else step_program
 
@@ -460,7 +468,8 @@ class ModelRunner:
         path) and C = c pages of prompt chunks (0: not split), in two transfers."""
         seqs = min(t, self.slots)
         runs = [(r.pages, start, n) for r, start, n, _ in entries]
-        layout = ragged_layout(runs, self.page_size, t, seqs, self.whole, None if self.kernel else p, c or None)
+        layout = ragged_layout(runs, self.page_size, t, seqs, self.whole, None if self.kernel else p, c or None,
+                               self.num_pages)
         tokens, from_last, targets, generated = [0] * t, [-1] * t, [0] * t, [0] * t
         for (req, start, n, _), first in zip(entries, layout["cu_q_lens"]):
             known = req.known_tokens(start, start + n)

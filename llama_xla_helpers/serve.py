@@ -184,8 +184,9 @@ def load_engine(path, slots=None, max_seq_len=None, max_queue=64, mesh=None, buc
     number of virtual devices, as train's --mesh does); buckets: a step's token counts
     (`engine.default_buckets()`); dtype: "bf16" or "fp32" (default: `runtime.default_dtype()`:
     LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU); quantize: None, "int8" or "int4"
-    (weight-only, `quantize.quantize`); compile: `Engine`'s (None: on a TPU); pages: the KV cache
-    pool's pages (default: `slots` whole contexts); prefix_caching: reuse cached prompt pages.
+    (weight-only, `quantize.quantize`); compile: `Engine`'s (None: compiled,
+    `runner.default_compile`); pages: the KV cache pool's pages (default: `slots` whole contexts);
+    prefix_caching: reuse cached prompt pages.
     """
     config, step = read_config(path)
     max_seq_len = max_seq_len or min(config.max_position_embeddings, MAX_SEQ_LEN)
@@ -353,7 +354,8 @@ def parse_args(argv=None):
                         help="the weights' dtype (default: LLAMA_XLA_DEFAULT_DTYPE, else bf16 on a TPU, fp32 on a CPU)")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization (default: none)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                        help="torch.compile the engine's programs (default: on a TPU; the engine's docstring says why)")
+                        help="torch.compile the engine's programs (default: yes, the faster path the engine's "
+                             "docstring measures; --no-compile for a short run)")
     add_compile_cache_args(parser)
     parser.add_argument("--debug", action="store_true", help="tracebacks of input errors, uvicorn's request log")
     args = parser.parse_args(argv)

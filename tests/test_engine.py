@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+import torch_xla.runtime
 
 from llama_xla_helpers import hlo
 from llama_xla_helpers.configs import get_config
@@ -18,6 +19,7 @@ from llama_xla_helpers.mesh import make_mesh
 from llama_xla_helpers.metrics import count_compiles
 from llama_xla_helpers.model import Llama
 from llama_xla_helpers.parallel import shard_for_inference
+from llama_xla_helpers.runner import default_compile, step_program
 from llama_xla_helpers.kv_pages import PagePool
 from llama_xla_helpers.scheduler import Scheduler, replay
 from util import N, hf_model, teacher_forced_agreement, tp_size
@@ -52,7 +54,7 @@ def engine(mesh_shape=None, slots=4, **kwargs):
     model = Llama.from_hf(hf(), max_batch_size=slots, max_seq_len=MAX_SEQ_LEN)
     if mesh_shape is not None:
         model = shard_for_inference(model, make_mesh(mesh_shape))
-    eng = Engine(model, slots=slots, buckets=BUCKETS, **kwargs)
+    eng = Engine(model, slots=slots, buckets=BUCKETS, **{"compile": False, **kwargs})  # lazy: a few requests each
     eng.warmup()
     return eng
 
@@ -132,7 +134,7 @@ def test_a_bf16_engine_compiles_nothing_after_warmup_and_agrees_with_fp32():
     want = [fp32.generate([p], 12)[0][0] for p in ps]
     assert len({t for w in want for t in w}) > 10, "the model repeats itself: the test proves nothing"
     bf16 = functools.partial(Llama.from_hf, hf05, max_seq_len=MAX_SEQ_LEN, dtype=torch.bfloat16)
-    eng = Engine(bf16(max_batch_size=4), slots=4, buckets=BUCKETS)
+    eng = Engine(bf16(max_batch_size=4), slots=4, buckets=BUCKETS, compile=False)
     eng.warmup()
     reqs = run(eng, [eng.submit(p, 12) for p in ps])
     assert eng.compiles_since_warmup == 0 and all(len(r.tokens) == 12 for r in reqs)
@@ -519,6 +521,17 @@ def test_compiled_with_dynamo_it_gives_the_same_tokens_and_compiles_nothing_afte
         lazy.submit(p, 8, temperature=0.5 + i, seed=i) for i, p in enumerate(ps[:3])])]
 
 
+def test_the_engine_compiles_by_default_on_every_device(monkeypatch):
+    """compile=None: the path benchmarks/serve.py measures faster (`runner.default_compile`), on the
+    CPU as on a (faked) TPU; Generator's default stays lazy off a TPU (test_generate.py)."""
+    model = Llama.from_hf(hf(), max_batch_size=1, max_seq_len=MAX_SEQ_LEN)
+    assert Engine(model, slots=1, buckets=(8,)).compile and default_compile()
+    assert Engine(model, slots=1, buckets=(8,), compile=False).runner.program is step_program
+    assert not default_compile(engine=False)
+    monkeypatch.setattr(torch_xla.runtime, "device_type", lambda: "TPU")
+    assert default_compile() and default_compile(engine=False)
+
+
 def test_a_compiled_engine_over_another_model_of_the_same_shapes_runs_its_own_weights():
     """Two compiled engines, over models of the same shapes and other weights: each gives its lazy
     engine's tokens. (Dynamo's cache is per function, and torch_xla's bridge keeps some weights as
@@ -596,7 +609,7 @@ def test_every_program_writes_the_kv_caches_in_place(runner, compile):
     model = Llama.from_hf(hf(), max_batch_size=3, max_seq_len=64)
     args, layers = model.args, len(model.layers)
     dtype = {torch.float32: "f32", torch.bfloat16: "bf16"}[model.embed_tokens.weight.dtype]
-    if runner == "engine":  # off a TPU, heads first: (n_kv_heads, 2, num_pages, page_size, head_dim)
+    if runner == "engine":  # off a TPU, K and V apart: (2, n_kv_heads, num_pages, page_size, head_dim)
         eng = Engine(model, slots=3, buckets=(1, 8, 16), compile=compile)
         shape = ",".join(map(str, eng.runner.pages[0].shape))  # the pool's (the step's gathered pages are not a cache)
     else:  # (any row count, max_seq_len, n_kv_heads, head_dim)
@@ -622,7 +635,7 @@ def test_steps_allocate_no_cache(compile):
     for the CPU's SPMD device.) A pool of 64 pages of 16 positions, larger than all else a step returns."""
     model = Llama.from_hf(hf(), max_batch_size=2, max_seq_len=256)
     eng = Engine(model, slots=2, buckets=(8,), compile=compile, pages=64)
-    pages = eng.runner.pages[0]  # (n_kv_heads, 2, 64, 16, head_dim)
+    pages = eng.runner.pages[0]  # (2, n_kv_heads, 64, 16, head_dim)
     with hlo.compiled_hlo(hlo.BUFFER_ASSIGNMENT) as buffers:
         reqs = run(eng, [eng.submit(p, 40, temperature=1.0, seed=1) for p in prompts((5, 7), seed=4)])
     assert all(len(r.tokens) == 40 for r in reqs)

@@ -215,7 +215,7 @@ def test_compiled_generators_over_two_models_of_the_same_shapes_each_run_their_o
         assert dynamo == lazy, f"model {seed}"
 
 
-def test_compile_defaults_to_the_engines_choice_torch_compile_on_a_tpu(monkeypatch):
+def test_compile_defaults_to_torch_compile_on_a_tpu_and_lazy_tracing_elsewhere(monkeypatch):
     model = small_generator().model
     assert Generator(model, buckets=BUCKETS).step is generate.step  # the CPU: lazy tracing
     monkeypatch.setattr(torch_xla.runtime, "device_type", lambda: "TPU")

@@ -50,8 +50,8 @@ def random_step(seed, heads=4, kv_heads=2, head_dim=8, page_size=4, num_pages=40
 
 def heads_first(pages):
     """The kernel's pages (num_pages, page_size, 2g, head_dim; K of head h at 2h) as the flat path's
-    pool (g, 2, num_pages, page_size, head_dim): the same keys and values."""
-    return pages.unflatten(2, (-1, 2)).permute(2, 3, 0, 1, 4).contiguous()
+    pool (2, g, num_pages, page_size, head_dim): the same keys and values."""
+    return pages.unflatten(2, (-1, 2)).permute(3, 2, 0, 1, 4).contiguous()
 
 
 def to(batch, dev):
@@ -64,7 +64,13 @@ def test_the_flat_path_equals_the_kernels_reference(seed, tokens):
     q, pages, kernel, flat, runs = random_step(seed, tokens=tokens)
     used = int(kernel.cu_q_lens[-1])
     scale = 1 / math.sqrt(q.shape[-1])
-    ours = flat_attention(q, heads_first(pages), flat, scale)
+    pool = heads_first(pages)
+    ours = flat_attention(q, pool, flat, scale)
+    # the whole pool as the key axis, read in place (no gather): the same outputs
+    whole = ragged_batch(ragged_layout(runs, 4, tokens, 5, kernel.page_indices.shape[1], keys=pages.shape[0],
+                                       pool=pages.shape[0]))
+    assert whole.key_pages.tolist() == list(range(pages.shape[0]))
+    torch.testing.assert_close(flat_attention(q, pool, whole, scale), ours, rtol=1e-5, atol=1e-5)
     ref = ragged_paged_attention(q, pages, kernel.kv_lens, kernel.page_indices, kernel.cu_q_lens, kernel.num_seqs,
                                  sm_scale=scale, use_kernel=False)  # torch_xla's PyTorch reference (needs JAX)
     assert ours.shape == q.shape and ref.shape[0] == used
@@ -114,6 +120,10 @@ def test_the_layout_puts_each_token_in_its_sequences_pages():
     assert flat["key_pages"] == [3, 9, 4, 2, 7, 0, 0, 0] and flat["key_start"] == [0, 4, 0, 4, 8] + [NO_KEY] * 3
     shared = ragged_layout([([3, 9], 5, 1), ([3, 6], 4, 2)], 4, 16, 3, 2, keys=4)  # page 3: a prefix both hold
     assert shared["key_pages"] == [3, 9, 6, 0] and shared["key_start"] == [0, 4, 4, NO_KEY]
+    # K = the pool's 10 pages: all of them in order, each at its first key's position, NO_KEY if none reads it
+    whole = ragged_layout(runs, page_size=4, tokens=16, seqs=3, pages=3, keys=10, pool=10)
+    assert whole["key_pages"] == list(range(10))
+    assert whole["key_start"] == [NO_KEY, NO_KEY, 4, 0, 0, NO_KEY, NO_KEY, 8, NO_KEY, 4]
     with pytest.raises(ValueError, match="17 tokens of 2 sequences do not fit a step of 16 tokens"):
         ragged_layout([([1, 2], 0, 8), ([3, 4, 5], 0, 9)], 4, 16, 3, 3)
     with pytest.raises(ValueError, match="do not fit a step of 16 tokens, 3 sequences, 4 pages"):
@@ -134,9 +144,10 @@ def test_keys_and_values_are_written_interleaved_on_the_head_axis():
     assert torch.equal(out[2, 1, 0::2], k[0]) and torch.equal(out[2, 1, 1::2], v[0])  # K of head h at 2h, V at 2h + 1
     assert torch.equal(out[2, 2, 0::2], k[1]) and torch.equal(out[2, 2, 1::2], v[1])
     assert out[:2].abs().sum() == 0 and out[2, 0].abs().sum() == 0 and out[2, 3].abs().sum() == 0
-    # the flat path's pool, heads first: the same keys and values at the same places
+    # the flat path's pool, K and V apart, each heads first: the same keys and values at the same places
     pool = write_heads(heads_first(pages), batch, k, v)
-    assert torch.equal(pool, heads_first(out)) and torch.equal(pool[1, 0, 2, 1], k[0, 1])
+    assert torch.equal(pool, heads_first(out)) and torch.equal(pool[0, 1, 2, 1], k[0, 1])
+    assert torch.equal(pool[1, 0, 2, 2], v[1, 0])
 
 
 def test_the_kernels_constraints():

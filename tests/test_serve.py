@@ -123,7 +123,7 @@ class ServerProcess:
 def server(model_dir, tmp_path_factory):
     # fp32 whatever LLAMA_XLA_DEFAULT_DTYPE says: the point is equality with `expected` (fp32)
     running = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", ",".join(map(str, BUCKETS)),
-                             "--dtype", "fp32"], tmp_path_factory.mktemp("log") / "server.log")
+                             "--dtype", "fp32", "--no-compile"], tmp_path_factory.mktemp("log") / "server.log")
     yield running
     running.stop()
 
@@ -132,7 +132,7 @@ def server(model_dir, tmp_path_factory):
 def slow_server(model_dir, tmp_path_factory):
     """The server with steps of 30 ms more (`PATCHED`), 2 slots, a queue of 2 and --drain-timeout 1:
     a request for 120 tokens takes 4 s."""
-    running = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", 8, "--dtype", "fp32", "--slots", 2,
+    running = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", 8, "--dtype", "fp32", "--no-compile", "--slots", 2,
                              "--max-queue", 2, "--drain-timeout", 1], tmp_path_factory.mktemp("log") / "slow.log",
                             patch=PATCHED.format(step_s=0.03, fault=False))
     yield running
@@ -701,7 +701,7 @@ def test_an_engine_fault_ends_every_request_with_an_error_and_the_server_exits_1
     """A step raises (`PATCHED`, steps of 50 ms) at the 20th token of the request in the one slot:
     its stream gets an error event then [DONE], the request waiting for the slot a JSON 500, and
     the process exits with status 1."""
-    server = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", 8, "--dtype", "fp32", "--slots", 1],
+    server = ServerProcess([model_dir, "--max-seq-len", MAX_SEQ_LEN, "--buckets", 8, "--dtype", "fp32", "--no-compile", "--slots", 1],
                            tmp_path / "server.log", patch=PATCHED.format(step_s=0.05, fault=True))
     try:
         stream = events(open_stream(server.url, "/v1/completions", dict(prompt=LONG, max_tokens=100, temperature=0)))
@@ -723,7 +723,7 @@ def engine():
     """An engine in this process: the model of `model_dir`, one slot, a queue of one."""
     torch.manual_seed(0)
     model = Llama.from_hf(LlamaForCausalLM(tiny_config()), max_batch_size=1, max_seq_len=32)
-    return Engine(model, slots=1, buckets=(8,), max_queue=1, eos_id=TOK.eos_id, decode=TOK.decode)
+    return Engine(model, slots=1, buckets=(8,), max_queue=1, eos_id=TOK.eos_id, decode=TOK.decode, compile=False)
 
 
 def test_start_in_thread_serves_from_this_process_and_stops(engine, expected):
@@ -820,7 +820,7 @@ def test_a_bf16_server_serves_its_engines_tokens_close_to_fp32(tmp_path, monkeyp
     torch.manual_seed(0)
     LlamaForCausalLM(get_config("tiny", num_hidden_layers=1, initializer_range=0.05)).save_pretrained(folder)
     monkeypatch.setenv("LLAMA_XLA_DEFAULT_DTYPE", "bf16")
-    engine, tokenizer = serve.load_engine(folder, slots=1, max_seq_len=MAX_SEQ_LEN, buckets=BUCKETS)
+    engine, tokenizer = serve.load_engine(folder, slots=1, max_seq_len=MAX_SEQ_LEN, buckets=BUCKETS, compile=False)
     assert engine.model.embed_tokens.weight.dtype == torch.bfloat16
     engine.warmup()
     prompts = ["The for statement", "class C:"]
@@ -881,7 +881,8 @@ def tool_server():
     torch.manual_seed(0)
     model = Llama.from_hf(LlamaForCausalLM(get_config("tiny", num_hidden_layers=1, initializer_range=0.2,
                                                       vocab_size=len(tok))), max_batch_size=2, max_seq_len=1024)
-    engine = Engine(model, slots=2, buckets=(8, 256), eos_id=tok.eos_token_id, decode=serve.decoder(tok)[0])
+    engine = Engine(model, slots=2, buckets=(8, 256), eos_id=tok.eos_token_id, decode=serve.decoder(tok)[0],
+                    compile=False)
     engine.warmup()
     server = serve.start_in_thread(api.app(engine, tok, "tiny"), port=0)
     yield server, tok, engine
@@ -994,7 +995,7 @@ def test_bad_argument_is_one_error_line(model_dir, args, message, capsys):
 
 def test_compile_flag_picks_the_engines_path(tmp_path):
     flags = ([], ["--compile"], ["--no-compile"])
-    assert [serve.parse_args([str(tmp_path), *f]).compile for f in flags] == [None, True, False]  # None: on a TPU
+    assert [serve.parse_args([str(tmp_path), *f]).compile for f in flags] == [None, True, False]  # None: runner.default_compile()
 
 
 def test_api_key_from_the_environment_and_a_warning_without_one_off_loopback(tmp_path, monkeypatch, capsys):
