@@ -34,7 +34,7 @@ def test_serve_benchmark_quick_runs_every_system_and_reports_every_target():
         "0 compilations after warm-up", "compiled engine step at batch 1", "compiled engine step at batch 1",
         "compiled engine host time per decode step at batch 8",
         "compiled engine host work per decode step at batch 8 (inputs, call, read)",
-        "compiled engine faster than the lazy one, or the lazy one is the default here (default: engine-lazy)",
+        "compiled engine faster than the lazy one, or the lazy one is the default here (default: engine-compiled)",
         "compiled engine tokens/s with every request constrained by a grammar", "HTTP overhead"]
     assert all(set(t) == {"target", "measured", "met"} and isinstance(t["met"], bool) for t in result["targets"])
     compiles = result["compiles_after_warmup"]
