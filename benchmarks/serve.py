@@ -31,7 +31,7 @@ The rates are fractions of the capacity measured first (the compiled engine, all
 first repetition), so they make sense on any machine. The rates used are stored in the JSON.
 
 Systems:
-  engine-compiled  our `Engine` on the pool above, compile=True, its default on a TPU as here
+  engine-compiled  our `Engine` on the pool above, compile=True, its default on every device
                (one torch.compile'd program per step shape, the pages donated), warmed up first (not
                timed). The loop below submits each request when its arrival time has come and
                calls engine.step(); no threads. Prefix caching is on (the workload's random
